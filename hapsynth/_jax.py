@@ -1,0 +1,99 @@
+"""The one place hapsynth touches JAX internals (`jax.extend`, jaxpr objects).
+
+`jax.extend` carries no stability promise; everything version-sensitive about
+jaxprs (names of call primitives, where sub-jaxprs live in params) is kept here,
+so a JAX upgrade touches one file.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.extend import core as _core
+
+Literal = _core.Literal
+Var = _core.Var
+ClosedJaxpr = _core.ClosedJaxpr
+Jaxpr = _core.Jaxpr
+Primitive = _core.Primitive
+
+# Call-like primitives whose body is inlined: name -> param holding the body.
+_INLINE_PARAM = {
+    "pjit": "jaxpr",
+    "jit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr",
+    "checkpoint": "jaxpr",
+    "remat": "jaxpr",
+    "remat2": "jaxpr",
+    "custom_lin": None,  # never appears in a traced (not-yet-differentiated) step
+}
+
+# Control flow kept as one opaque node: name -> params holding bodies.
+CONTROL_FLOW = {"scan": ("jaxpr",), "while": ("cond_jaxpr", "body_jaxpr"), "cond": ("branches",)}
+
+
+def make_jaxpr(fn, *args):
+    """Trace `fn(*args)` to a ClosedJaxpr; returns (closed_jaxpr, in_tree, out_tree)."""
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    in_tree = jax.tree.structure(args)
+    out_tree = jax.tree.structure(out_shape)
+    return closed, in_tree, out_tree
+
+
+def inline_body(eqn) -> tuple[Jaxpr, tuple[Any, ...]] | None:
+    """(open jaxpr, consts) of a call-like eqn to inline, or None if not call-like."""
+    name = eqn.primitive.name
+    if name not in _INLINE_PARAM or _INLINE_PARAM[name] is None:
+        return None
+    body = eqn.params.get(_INLINE_PARAM[name])
+    if body is None:
+        return None
+    if isinstance(body, ClosedJaxpr):
+        return body.jaxpr, tuple(body.consts)
+    return body, ()
+
+
+def sub_jaxprs(eqn) -> list[tuple[Jaxpr, tuple[Any, ...]]]:
+    """Bodies of a control-flow eqn, as (open jaxpr, consts) pairs."""
+    out = []
+    for key in CONTROL_FLOW.get(eqn.primitive.name, ()):
+        val = eqn.params[key]
+        for body in (val if isinstance(val, (tuple, list)) else (val,)):
+            if isinstance(body, ClosedJaxpr):
+                out.append((body.jaxpr, tuple(body.consts)))
+            else:
+                out.append((body, ()))
+    return out
+
+
+def is_literal(atom) -> bool:
+    return isinstance(atom, Literal)
+
+
+def is_dropvar(var) -> bool:
+    return type(var).__name__ == "DropVar"
+
+
+def aval_of(atom):
+    return atom.aval
+
+
+def has_effects(eqn) -> bool:
+    return bool(eqn.effects)
+
+
+def source_of(eqn) -> str:
+    """A short user-facing location: the name stack of the eqn (e.g. 'jvp(Block_0)/mul')."""
+    try:
+        return str(eqn.source_info.name_stack)
+    except AttributeError:  # pragma: no cover - older/newer JAX without name stacks
+        return ""
+
+
+def bind(primitive, args, params):
+    """Apply a primitive to concrete or traced values."""
+    return primitive.bind(*args, **params)

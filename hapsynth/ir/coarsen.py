@@ -1,0 +1,96 @@
+"""Coarsening: group ops into nodes that share one sharding decision.
+
+*Leaders* (contractions, reductions, gathers, control flow, ...) each anchor a
+node. *Followers* (elementwise and layout-only ops) join the node of the
+operands they read, so an elementwise chain, or a parameter's optimizer update
+chain, follows its producer's layout. Two leaders are never merged through a
+follower (a residual `add` of two matmuls stays a boundary). Ops that read no
+tensor (iota, broadcast of a literal) join their first consumer.
+"""
+from __future__ import annotations
+
+from hapsynth._jax import CONTROL_FLOW
+from hapsynth.ir.rules import REGISTRY
+from hapsynth.ir.rules.elementwise import elementwise
+
+LAYOUT_ONLY = {"broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims",
+               "convert_element_type", "copy", "copy_p", "reduce_precision"}
+
+
+def is_follower(primitive: str) -> bool:
+    entry = REGISTRY.get(primitive)
+    return primitive in LAYOUT_ONLY or (entry is not None and entry.rule is elementwise)
+
+
+class _Groups:
+    """Union-find over op indices, tracking whether a group holds a leader."""
+
+    def __init__(self, n: int, leader: list[bool]):
+        self.parent = list(range(n))
+        self.leader = list(leader)
+
+    def find(self, i: int) -> int:
+        while self.parent[i] != i:
+            self.parent[i] = self.parent[self.parent[i]]
+            i = self.parent[i]
+        return i
+
+    def union(self, a: int, b: int) -> bool:
+        ra, rb = self.find(a), self.find(b)
+        if ra == rb:
+            return True
+        if self.leader[ra] and self.leader[rb]:
+            return False
+        if self.leader[rb]:
+            ra, rb = rb, ra
+        self.parent[rb] = ra
+        self.leader[ra] = self.leader[ra] or self.leader[rb]
+        return True
+
+
+def coarsen(ops, producer: dict[int, int], is_input: set[int]):
+    """Assign each op a node: returns (node index per op, kind per node).
+
+    `ops` are (primitive, input tensor ids or None, output ids); `producer` maps a
+    tensor to the op making it; `is_input` holds the step's input tensors.
+    """
+    n = len(ops)
+    follower = [is_follower(p) for p, _, _ in ops]
+    g = _Groups(n, [not f for f in follower])
+    by_input: dict[int, int] = {}
+    touches_input = [False] * n
+    reads_tensor = [any(t is not None for t in ins) for _, ins, _ in ops]
+    for i, (prim, ins, _) in enumerate(ops):
+        if not follower[i]:
+            continue
+        anchors = []
+        for t in ins:
+            if t is None:
+                continue
+            if t in producer:
+                anchors.append(producer[t])
+            elif t in is_input:
+                touches_input[i] = True
+                anchors.append(by_input.setdefault(t, i))
+        anchors.sort(key=lambda a: not g.leader[g.find(a)])  # producer with a leader first
+        for a in anchors:
+            g.union(a, i)
+    consumers: dict[int, int] = {}
+    for i, (_, ins, _) in enumerate(ops):
+        for t in ins:
+            if t is not None and t in producer:
+                consumers.setdefault(producer[t], i)
+    for i in range(n):
+        if follower[i] and not reads_tensor[i] and i in consumers:
+            g.union(consumers[i], i)
+
+    roots: dict[int, int] = {}
+    node_of = [roots.setdefault(g.find(i), len(roots)) for i in range(n)]
+    kinds = ["elementwise"] * len(roots)
+    for i in range(n):
+        k = node_of[i]
+        if not follower[i]:
+            kinds[k] = "opaque" if ops[i][0] in CONTROL_FLOW else "compute"
+        elif touches_input[i] and kinds[k] == "elementwise":
+            kinds[k] = "optimizer"
+    return node_of, kinds

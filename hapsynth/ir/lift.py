@@ -1,0 +1,41 @@
+"""Lift a traced `Program` to the sharding IR `Graph` (rules, costs, nodes)."""
+from __future__ import annotations
+
+from collections import Counter
+
+from hapsynth.ir.coarsen import coarsen
+from hapsynth.ir.graph import Graph, Op, Node, Tensor
+from hapsynth.ir.rules import cost_for, rule_for
+from hapsynth.ir.trace import Program, trace
+
+
+def _dtype_name(dtype) -> str:
+    return getattr(dtype, "name", str(dtype))
+
+
+def lift_program(prog: Program) -> Graph:
+    producer = {t: i for i, e in enumerate(prog.eqns) for t in e.outputs}
+    inputs = set(prog.inputs)
+    tensors = tuple(
+        Tensor(t, a.shape, _dtype_name(a.dtype), producer.get(t),
+               "input" if t in inputs else "const" if t in prog.consts else "intermediate")
+        for t, a in enumerate(prog.avals))
+    op_inputs = [tuple(x if isinstance(x, int) else None for x in e.inputs) for e in prog.eqns]
+    node_of, kinds = coarsen([(e.name, ins, e.outputs) for e, ins in zip(prog.eqns, op_inputs)],
+                             producer, inputs)
+    ops = tuple(Op(i, e.name, op_inputs[i], e.outputs, rule_for(e), cost_for(e), node_of[i])
+                for i, e in enumerate(prog.eqns))
+    members: dict[int, list[int]] = {}
+    for op in ops:
+        members.setdefault(op.node, []).append(op.id)
+    nodes = tuple(Node(k, tuple(members[k]), kinds[k]) for k in range(len(kinds)))
+    unsupported = Counter(op.primitive for op in ops if not op.rule.supported)
+    return Graph(tensors=tensors, ops=ops, nodes=nodes, inputs=prog.inputs,
+                 outputs=tuple(o if isinstance(o, int) else None for o in prog.outputs),
+                 unsupported=dict(sorted(unsupported.items())))
+
+
+def lift(fn, *args) -> tuple[Program, Graph]:
+    """Trace `fn(*args)` and lift it: the flat program (for lowering) and its IR."""
+    prog = trace(fn, *args)
+    return prog, lift_program(prog)

@@ -1,0 +1,126 @@
+"""One registry keyed by primitive name: sharding rule, cost, and local-size params.
+
+Each entry describes a primitive once:
+- `rule(eqn) -> Rule`: its factors (see `ir/graph.py`);
+- `cost(eqn) -> (flops, transcendentals)` in XLA's `cost_analysis()` convention;
+- `resize(eqn, in_shapes, out_shapes) -> params`: the params to evaluate the
+  primitive at *local* (per-device) shapes. Only primitives whose params carry
+  sizes need one; the default keeps the params as they are.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from hapsynth.ir.graph import BLOCKED, PARALLEL, REDUCTION, Cost, Factor, Rule
+
+
+@dataclass(frozen=True)
+class Entry:
+    rule: Callable
+    cost: Callable
+    resize: Callable | None = None
+
+
+REGISTRY: dict[str, Entry] = {}
+
+
+def _no_cost(eqn):
+    return 0.0, 0.0
+
+
+def register(*names: str, cost: Callable = _no_cost, resize: Callable | None = None):
+    """Decorator: register a rule function for one or more primitive names."""
+
+    def deco(rule_fn):
+        for name in names:
+            REGISTRY[name] = Entry(rule_fn, cost, resize)
+        return rule_fn
+
+    return deco
+
+
+UNSUPPORTED = Rule((), supported=False)
+
+
+def rule_for(eqn) -> Rule:
+    entry = REGISTRY.get(eqn.name)
+    return entry.rule(eqn) if entry else UNSUPPORTED
+
+
+def cost_for(eqn) -> Cost:
+    """Cost of one eqn; bytes are the non-literal operands plus the results."""
+    entry = REGISTRY.get(eqn.name)
+    flops, trans = entry.cost(eqn) if entry else (0.0, 0.0)
+    nbytes = sum(_nbytes(a) for a, x in zip(eqn.in_avals, eqn.inputs) if isinstance(x, int))
+    nbytes += sum(_nbytes(a) for a in eqn.out_avals)
+    return Cost(float(flops), float(trans), float(nbytes))
+
+
+def _nbytes(aval) -> int:
+    itemsize = getattr(aval.dtype, "itemsize", 4)
+    return aval.size * itemsize
+
+
+def local_params(eqn, in_shapes, out_shapes) -> dict:
+    """Params for evaluating `eqn` on operands of `in_shapes` giving `out_shapes`."""
+    entry = REGISTRY.get(eqn.name)
+    if entry is None or entry.resize is None:
+        return dict(eqn.params)
+    return entry.resize(eqn, tuple(map(tuple, in_shapes)), tuple(map(tuple, out_shapes)))
+
+
+# ---- small helpers shared by the rule modules -------------------------------------
+
+def out_size(eqn, i: int = 0) -> int:
+    return eqn.out_avals[i].size
+
+
+def par(size, operands=(), results=()) -> Factor:
+    return Factor(int(size), PARALLEL, tuple(operands), tuple(results))
+
+
+def red(size, operands=(), results=(), reduce="sum") -> Factor:
+    return Factor(int(size), REDUCTION, tuple(operands), tuple(results), reduce)
+
+
+def blk(size, operands=(), results=()) -> Factor:
+    return Factor(int(size), BLOCKED, tuple(operands), tuple(results))
+
+
+def rule(*factors: Factor, note: str = "") -> Rule:
+    """A Rule keeping only factors that can matter (size > 1)."""
+    return Rule(tuple(f for f in factors if f.size > 1), note=note)
+
+
+def replicated(note: str) -> Rule:
+    """A deliberate replicated-only rule (not a fallback: the reason is recorded)."""
+    return Rule((), supported=True, note=note)
+
+
+def aligned_dims(eqn, skip: set[int] = frozenset(), operands=None) -> list[Factor]:
+    """One parallel factor per result dim, shared by every operand of the same rank.
+
+    `skip` dims become blocked. Used by ops whose operands and results line up dim for
+    dim (elementwise, sort, cumsum, concatenate, ...).
+    """
+    shape = eqn.out_avals[0].shape
+    ops = range(len(eqn.in_avals)) if operands is None else operands
+    factors = []
+    for d, n in enumerate(shape):
+        # operands of lower rank, or size 1 where the result is larger, are broadcast
+        o = [(i, d) for i in ops if eqn.in_avals[i].ndim == len(shape)
+             and (d in skip or eqn.in_avals[i].shape[d] == n)]
+        r = [(j, d) for j, a in enumerate(eqn.out_avals) if a.ndim == len(shape)]
+        factors.append(blk(n, o, r) if d in skip else par(n, o, r))
+    return factors
+
+
+def elements(eqn) -> float:
+    return float(out_size(eqn))
+
+
+def prod(xs) -> int:
+    return int(np.prod(xs, dtype=np.int64)) if len(xs) else 1

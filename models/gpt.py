@@ -1,0 +1,66 @@
+"""GPT-style causal decoder: pre-LN blocks with causal attention, tied input/output embeddings
+(logits = h · Eᵀ), next-token loss; global-norm clipping (1.0) + AdamW. "paper": 12×768, vocab 50257."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from .common import (EMBED_INIT, Block, cross_entropy, init_state, make_batch, make_train_step,
+                     pick_config, run_blocks)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    layers: int
+    d: int
+    heads: int
+    ffn: int
+    seq: int
+    vocab: int
+    batch: int
+    lr: float = 1e-3
+
+
+CONFIGS = {
+    "tiny": Config(layers=2, d=64, heads=4, ffn=128, seq=16, vocab=64, batch=16),
+    "small": Config(layers=4, d=128, heads=4, ffn=512, seq=64, vocab=512, batch=32),
+    "paper": Config(layers=12, d=768, heads=12, ffn=3072, seq=128, vocab=50257, batch=32 * 8, lr=1e-4),
+}
+
+
+def config(name: str = "tiny", devices: int = 8) -> Config:
+    return pick_config(CONFIGS, name, devices, batch=32)
+
+
+class GPT(nnx.Module):
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+        self.tok = nnx.Embed(cfg.vocab, cfg.d, embedding_init=EMBED_INIT, rngs=rngs)
+        self.pos = nnx.Param(EMBED_INIT(rngs.params(), (cfg.seq, cfg.d), jnp.float32))
+        self.blocks = nnx.List([Block(cfg.d, cfg.heads, cfg.ffn, causal=True, rngs=rngs)
+                                for _ in range(cfg.layers)])
+        self.ln = nnx.LayerNorm(cfg.d, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = self.tok(tokens) + self.pos[...][None, : tokens.shape[1]]
+        x, _ = run_blocks(self.blocks, x)
+        return self.tok.attend(self.ln(x))  # tied output projection
+
+
+def build(name: str = "tiny", *, devices: int = 8, abstract: bool = False):
+    cfg = config(name, devices)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(cfg.lr))
+    graphdef, params, opt_state = init_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), tx, abstract)
+
+    def batch_fn(key):
+        seq = jax.random.randint(key, (cfg.batch, cfg.seq + 1), 0, cfg.vocab, jnp.int32)
+        return {"inputs": seq[:, :-1], "targets": seq[:, 1:]}
+
+    def loss_fn(model, batch):
+        return cross_entropy(model(batch["inputs"]), batch["targets"])
+
+    step = make_train_step(loss_fn, tx, graphdef)
+    return step, (params, opt_state, make_batch(batch_fn, abstract))
