@@ -16,11 +16,11 @@ def body_cost(jaxpr, consts=()) -> Cost:
 
 
 def control_flow_cost(eqn) -> tuple[float, float]:
-    """(flops, transcendentals) of scan/while/cond, as XLA counts them.
+    """(flops, transcendentals) of scan/while/cond: the work really done.
 
-    A scan's body runs `length` times; a while loop's trip count is unknown, so its
-    body and condition count once (as XLA's cost analysis does); a cond counts
-    its most expensive branch.
+    A scan's body counts `length` times (XLA's cost analysis counts any loop body
+    once; the planner needs the real work). A while loop's trip count is unknown,
+    so its body and condition count once; a cond counts its costliest branch.
     """
     bodies = [body_cost(j, c) for j, c in _jax.sub_jaxprs(eqn)]
     if not bodies:
