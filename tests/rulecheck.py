@@ -18,7 +18,7 @@ from hapsynth.ir.rules import local_params, rule_for
 from hapsynth.ir.trace import Const
 
 COMBINE = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply,
-           "and": np.logical_and, "or": np.logical_or, "xor": np.logical_xor}
+           "and": np.bitwise_and, "or": np.bitwise_or, "xor": np.bitwise_xor}  # bool: logical
 
 
 def split_sizes(n: int, weights) -> list[int]:

@@ -150,3 +150,25 @@ def test_inspect_accepts_abstract_and_concrete_args_alike():
     a, b = hs.inspect(step, *args), hs.inspect(step, *abstract)
     for key in ("eqns", "nodes", "flops", "primitives", "unsupported"):
         assert a[key] == b[key]
+
+
+def test_optimizer_chains_follow_their_own_gradient_not_a_shared_scalar():
+    """Global-norm clipping scales every gradient by one scalar: that must not glue all
+    parameters' update chains into one node."""
+    step, args = get("gpt", "tiny")
+    _, graph = lift(step, *args)
+    reads = [sum(1 for i in n.ops for t in graph.ops[i].inputs
+                 if t is not None and graph.tensors[t].kind == "input") for n in graph.nodes]
+    assert max(reads) <= 6, max(reads)
+
+
+def test_prng_key_arguments_are_sized():
+    def step(w, key, x):
+        keep = jax.random.bernoulli(key, 0.9, x.shape)
+        return w - 0.1 * jnp.sum(jnp.where(keep, x, 0.0) @ w)
+
+    args = (jnp.ones((4, 3)), jax.random.key(0), jnp.ones((2, 4)))
+    _, graph = lift(step, *args)
+    key_t = graph.tensors[graph.inputs[1]]
+    assert key_t.nbytes == 8  # a threefry key: two uint32 words
+    assert hs.inspect(step, *args)["unsupported"] == {}

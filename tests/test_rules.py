@@ -56,6 +56,8 @@ CASES = {
     "reductions": (lambda a: (a.sum(1), a.max(0), a.min(1), jnp.prod(a, 0), (a > 0).all(1),
                               (a > 0).any(0)), r(0, 6, 5)),
     "argmax": (lambda a: jnp.argmax(a, 1), r(0, 6, 5)),
+    "bitwise_reductions": (lambda a: (lax.reduce_xor_p.bind(a, axes=(1,)), lax.reduce_or_p.bind(a, axes=(0,)),
+                                      lax.reduce_and_p.bind(a, axes=(1,))), ints(0, 64, 6, 5)),
     "cumsum": (lambda a: jnp.cumsum(a, 1) + lax.cummax(a, 0), r(0, 6, 5)),
     "sort": (lambda a: jnp.sort(a, 1), r(0, 6, 5)),
     "argsort": (lambda a: jnp.argsort(a, 0), r(0, 6, 5)),

@@ -14,7 +14,7 @@ from hapsynth.ir.rules import REGISTRY
 from hapsynth.ir.rules.elementwise import elementwise
 
 LAYOUT_ONLY = {"broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims",
-               "convert_element_type", "copy", "copy_p", "reduce_precision"}
+               "convert_element_type", "copy", "copy_p", "reduce_precision", "iota"}
 
 
 def is_follower(primitive: str) -> bool:
@@ -48,11 +48,14 @@ class _Groups:
         return True
 
 
-def coarsen(ops, producer: dict[int, int], is_input: set[int]):
+def coarsen(ops, producer: dict[int, int], is_input: set[int], shape_of=None):
     """Assign each op a node: returns (node index per op, kind per node).
 
     `ops` are (primitive, input tensor ids or None, output ids); `producer` maps a
-    tensor to the op making it; `is_input` holds the step's input tensors.
+    tensor to the op making it; `is_input` holds the step's input tensors;
+    `shape_of(t)` gives a tensor's shape. An elementwise follower anchors only
+    through operands shaped like its result: a scalar (a clipping factor, a
+    predicate) or a broadcast operand does not pull it into another node.
     """
     n = len(ops)
     follower = [is_follower(p) for p, _, _ in ops]
@@ -60,12 +63,13 @@ def coarsen(ops, producer: dict[int, int], is_input: set[int]):
     by_input: dict[int, int] = {}
     touches_input = [False] * n
     reads_tensor = [any(t is not None for t in ins) for _, ins, _ in ops]
-    for i, (prim, ins, _) in enumerate(ops):
+    for i, (prim, ins, outs) in enumerate(ops):
         if not follower[i]:
             continue
         anchors = []
+        same_shape = prim not in LAYOUT_ONLY and shape_of is not None and outs
         for t in ins:
-            if t is None:
+            if t is None or (same_shape and shape_of(t) != shape_of(outs[0])):
                 continue
             if t in producer:
                 anchors.append(producer[t])

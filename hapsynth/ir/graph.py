@@ -8,6 +8,7 @@ Dims that hold no factor must stay whole on every device.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -58,12 +59,11 @@ class Tensor:
     dtype: str
     producer: int | None  # op index; None for step inputs and constants
     kind: str = "intermediate"  # "input" | "const" | "intermediate"
+    itemsize: int = 4  # bytes per element (PRNG key dtypes have no numpy name)
 
     @property
     def nbytes(self) -> int:
-        import numpy as np
-
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+        return math.prod(self.shape) * self.itemsize
 
 
 @dataclass(frozen=True)

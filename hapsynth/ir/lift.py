@@ -18,11 +18,12 @@ def lift_program(prog: Program) -> Graph:
     inputs = set(prog.inputs)
     tensors = tuple(
         Tensor(t, a.shape, _dtype_name(a.dtype), producer.get(t),
-               "input" if t in inputs else "const" if t in prog.consts else "intermediate")
+               "input" if t in inputs else "const" if t in prog.consts else "intermediate",
+               getattr(a.dtype, "itemsize", 4))
         for t, a in enumerate(prog.avals))
     op_inputs = [tuple(x if isinstance(x, int) else None for x in e.inputs) for e in prog.eqns]
     node_of, kinds = coarsen([(e.name, ins, e.outputs) for e, ins in zip(prog.eqns, op_inputs)],
-                             producer, inputs)
+                             producer, inputs, lambda t: prog.avals[t].shape)
     ops = tuple(Op(i, e.name, op_inputs[i], e.outputs, rule_for(e), cost_for(e), node_of[i])
                 for i, e in enumerate(prog.eqns))
     members: dict[int, list[int]] = {}

@@ -24,7 +24,13 @@ def control_flow(eqn):
     return replicated(CONTROL_FLOW_NOTE)
 
 
-@register("random_bits", "random_seed", "random_wrap", "random_unwrap", "random_split",
-          "random_fold_in", "rng_bit_generator", "rng_uniform")
+def _hash_cost(per_element):
+    # XLA expands threefry hashing into ~50 integer ops per output element.
+    return lambda e: (per_element * e.out_avals[0].size, 0.0)
+
+
+@register("random_bits", cost=_hash_cost(47.0))
+@register("random_fold_in", "random_split", cost=_hash_cost(55.0))
+@register("random_seed", "random_wrap", "random_unwrap", "rng_bit_generator", "rng_uniform")
 def random(eqn):
     return replicated(RANDOM_NOTE)

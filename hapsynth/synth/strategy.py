@@ -1,0 +1,186 @@
+"""Candidate strategies per node, from factor classes (Shardy-style propagation).
+
+Factors of different ops are *linked* when they sit on the same dim of a tensor
+that one op produces and another reads, and have the same size. Linked factors
+form a class; sharding a class shards every op that holds one of its factors.
+Within a node, a strategy is "shard class c" or "replicate". The same linking done
+across the whole graph names the *batch class* (the one holding dim 0 of the data
+arguments): data parallelism is "every node shards the batch class".
+
+Layouts (of a tensor on the 1-D device mesh): `R`, `P` (partial sum) or
+`S(dim, units)`: sharded on `dim` in `units` factor units (a dim of size n split in
+u units moves in blocks of n/u rows).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hapsynth.ir.graph import PARALLEL, REDUCTION, Graph
+
+R, P = "R", "P"
+
+# A partial sum is carried (its all-reduce postponed) only where that cannot cost
+# more: through ops that keep or shrink it, and through sums of partial sums.
+CARRY_UNARY = {"neg", "convert_element_type", "reshape", "transpose", "squeeze", "copy",
+               "copy_p", "reduce_sum", "slice", "reduce_precision"}
+CARRY_SUM = {"add", "add_any", "sub"}
+
+
+def S(dim: int, units: int):
+    return ("S", int(dim), int(units))
+
+
+class _UnionFind:
+    def __init__(self):
+        self.parent: dict = {}
+
+    def find(self, x):
+        self.parent.setdefault(x, x)
+        while self.parent[x] != x:
+            self.parent[x] = self.parent[self.parent[x]]
+            x = self.parent[x]
+        return x
+
+    def union(self, a, b):
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            self.parent[max(ra, rb)] = min(ra, rb)
+
+
+def _shardable(f) -> bool:
+    return f.size > 1 and (f.kind == PARALLEL or (f.kind == REDUCTION and f.reduce == "sum"))
+
+
+def link_factors(graph: Graph, ops=None) -> _UnionFind:
+    """Union (op, factor) pairs that share a tensor dim between producer and consumer."""
+    ops = graph.ops if ops is None else ops
+    keep = {op.id for op in ops}
+    uf = _UnionFind()
+    result_pos: dict[tuple[int, int], list] = {}  # (tensor, dim) -> [(op, factor)] producing it
+    for op in ops:
+        for fi, f in enumerate(op.rule.factors):
+            if not _shardable(f):
+                continue
+            uf.find((op.id, fi))
+            for (j, d) in f.results:
+                result_pos.setdefault((op.outputs[j], d), []).append((op.id, fi, f.size))
+    for op in ops:
+        for fi, f in enumerate(op.rule.factors):
+            if not _shardable(f):
+                continue
+            for (i, d) in f.operands:
+                t = op.inputs[i]
+                if t is None:
+                    continue
+                for (pop, pfi, psize) in result_pos.get((t, d), ()):
+                    if pop in keep and psize == f.size:
+                        uf.union((pop, pfi), (op.id, fi))
+    return uf
+
+
+@dataclass(frozen=True)
+class OpChoice:
+    """What one op does under a node strategy."""
+
+    factor: int | None          # sharded factor index, or None (replicated / partial carry)
+    inputs: tuple               # required layout per operand (None for literals)
+    outputs: tuple              # produced layout per result
+
+
+def op_choice(op, factor: int | None, in_layouts=None) -> OpChoice:
+    """Required input and produced output layouts of `op` sharding `factor`.
+
+    With `factor=None` the op is replicated, unless `in_layouts` shows a partial-sum
+    operand it is linear in: then it carries `P` through (no all-reduce yet).
+    """
+    nin = len(op.inputs)
+    if factor is not None:
+        f = op.rule.factors[factor]
+        ins, outs = [], []
+        for i in range(nin):
+            dims = [d for (o, d) in f.operands if o == i]
+            if op.inputs[i] is None:
+                ins.append(None)
+            elif dims:
+                ins.append(S(dims[0], f.size))
+            else:
+                ins.append(P if f.kind == REDUCTION else R)
+        for j in range(len(op.outputs)):
+            dims = [d for (r, d) in f.results if r == j]
+            outs.append(S(dims[0], f.size) if dims else (P if f.kind == REDUCTION else R))
+        return OpChoice(factor, tuple(ins), tuple(outs))
+    layouts = in_layouts or [R] * nin
+    tensors = [i for i in range(nin) if op.inputs[i] is not None]
+    if tensors and all(layouts[i] == P for i in tensors) and (
+            (op.primitive in CARRY_UNARY and len(tensors) == 1) or op.primitive in CARRY_SUM):
+        return OpChoice(None, tuple(P if i in tensors else None for i in range(nin)),
+                        tuple(P for _ in op.outputs))
+    return _replicated(op)
+
+
+def _replicated(op) -> OpChoice:
+    return OpChoice(None, tuple(None if t is None else R for t in op.inputs),
+                    tuple(R for _ in op.outputs))
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run a node: `klass` is the sharded factor class (None = replicate)."""
+
+    klass: tuple | None
+    choices: tuple[tuple[int, OpChoice], ...]  # (op id, choice) in program order
+    layouts: dict = field(default_factory=dict, compare=False)  # produced tensor -> layout
+
+
+def node_strategies(graph: Graph, node, uf: _UnionFind, max_classes: int = 6,
+                    keep=()) -> list[Strategy]:
+    """Replicate, plus sharding each of the node's heaviest factor classes (and `keep`)."""
+    ops = [graph.ops[i] for i in node.ops]
+    weight: dict = {}
+    for op in ops:
+        for fi, f in enumerate(op.rule.factors):
+            if _shardable(f):
+                c = uf.find((op.id, fi))
+                weight[c] = weight.get(c, 0.0) + op.cost.flops + 1e-3 * op.cost.bytes
+    ranked = sorted(weight, key=lambda c: (-weight[c], str(c)))
+    classes = [c for c in ranked if c in keep] + [c for c in ranked if c not in keep]
+    classes = classes[:max(max_classes, sum(1 for c in ranked if c in keep))]
+    out = [propagate(graph, ops, None, uf)]
+    carry = propagate(graph, ops, None, uf, carry=True)
+    if carry.choices != out[0].choices:
+        out.append(carry)
+    return out + [propagate(graph, ops, c, uf) for c in classes]
+
+
+def propagate(graph: Graph, ops, klass, uf: _UnionFind, carry: bool = False) -> Strategy:
+    """Choices of every op in program order when `klass` is sharded (None: replicate).
+
+    `carry=True`: operands from other nodes may arrive as partial sums, so sums of
+    partial sums (e.g. the two gradient paths of a tied embedding) stay partial.
+    """
+    layout: dict[int, object] = {}
+    choices = []
+    for op in ops:
+        factor = None
+        if klass is not None:
+            for fi, f in enumerate(op.rule.factors):
+                if _shardable(f) and uf.find((op.id, fi)) == klass:
+                    factor = fi
+                    break
+        outside = P if carry else R
+        in_layouts = [layout.get(t, outside) if t is not None else None for t in op.inputs]
+        ch = op_choice(op, factor, in_layouts)
+        for t, lay in zip(op.outputs, ch.outputs):
+            layout[t] = lay
+        choices.append((op.id, ch))
+    return Strategy(klass, tuple(choices), layout)
+
+
+def batch_class(graph: Graph, uf: _UnionFind, data_inputs) -> tuple | None:
+    """The factor class holding dim 0 of the data arguments (what data parallelism shards)."""
+    data = set(data_inputs)
+    for op in graph.ops:
+        for fi, f in enumerate(op.rule.factors):
+            if _shardable(f) and any(op.inputs[i] in data and d == 0 for (i, d) in f.operands):
+                return uf.find((op.id, fi))
+    return None
