@@ -85,7 +85,7 @@ import numbers
 import os
 import re
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence

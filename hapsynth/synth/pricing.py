@@ -21,7 +21,7 @@ import numpy as np
 from hapsynth.ir.graph import Graph
 from hapsynth.synth import costmodel
 from hapsynth.synth.cluster import Cluster
-from hapsynth.synth.strategy import P, R, Strategy, link_factors, node_strategies
+from hapsynth.synth.strategy import R, Strategy, link_factors, node_strategies
 
 CONTRACTIONS = {"dot_general", "conv_general_dilated"}
 

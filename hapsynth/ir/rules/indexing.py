@@ -35,7 +35,7 @@ def _resize_gather(eqn, in_shapes, out_shapes):
 @register("gather", resize=_resize_gather)
 def gather(eqn):
     dn = eqn.params["dimension_numbers"]
-    a, idx, o = eqn.in_avals[0], eqn.in_avals[1], eqn.out_avals[0]
+    a, o = eqn.in_avals[0], eqn.out_avals[0]
     offset = _gather_offset_map(dn, a.ndim)
     full = _gather_full_window(eqn)
     factors = []
@@ -64,7 +64,7 @@ def _scatter_cost(eqn):
 def scatter(eqn):
     """Operands (operand, indices, updates) -> result shaped like operand."""
     dn = eqn.params["dimension_numbers"]
-    a, idx, u = eqn.in_avals[0], eqn.in_avals[1], eqn.in_avals[2]
+    a, u = eqn.in_avals[0], eqn.in_avals[2]
     window = [d for d in range(a.ndim)
               if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims]
     factors = []
