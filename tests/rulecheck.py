@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from hapsynth import _jax
 from hapsynth.ir.graph import PARALLEL, REDUCTION
 from hapsynth.ir.rules import local_params, rule_for
-from hapsynth.ir.trace import Const
+from hapsynth.ir.trace import value_of
 
 COMBINE = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply,
            "and": np.bitwise_and, "or": np.bitwise_or, "xor": np.bitwise_xor}  # bool: logical
@@ -97,7 +97,7 @@ SPLITS = ([5, 3, 1, 0], [1, 0, 2, 4])
 
 def check_eqn(eqn, env, splits=SPLITS) -> int:
     """Check every shardable factor of eqn under each split; returns factors checked."""
-    vals = [x.value if isinstance(x, Const) else env[x] for x in eqn.inputs]
+    vals = [value_of(env, x) for x in eqn.inputs]
     vals = [jnp.asarray(v) for v in vals]
     full = [env[t] for t in eqn.outputs]
     r = rule_for(eqn)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from hapsynth._jax import CONTROL_FLOW
 from hapsynth.ir.rules import REGISTRY
 from hapsynth.ir.rules.elementwise import elementwise
+from hapsynth.ir.unionfind import UnionFind
 
 LAYOUT_ONLY = {"broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims",
                "convert_element_type", "copy", "copy_p", "reduce_precision", "iota"}
@@ -22,18 +23,12 @@ def is_follower(primitive: str) -> bool:
     return primitive in LAYOUT_ONLY or (entry is not None and entry.rule is elementwise)
 
 
-class _Groups:
-    """Union-find over op indices, tracking whether a group holds a leader."""
+class _Groups(UnionFind):
+    """Union-find over op indices that never merges two groups holding a leader."""
 
-    def __init__(self, n: int, leader: list[bool]):
-        self.parent = list(range(n))
-        self.leader = list(leader)
-
-    def find(self, i: int) -> int:
-        while self.parent[i] != i:
-            self.parent[i] = self.parent[self.parent[i]]
-            i = self.parent[i]
-        return i
+    def __init__(self, leader: list[bool]):
+        super().__init__()
+        self.leader = dict(enumerate(leader))
 
     def union(self, a: int, b: int) -> bool:
         ra, rb = self.find(a), self.find(b)
@@ -43,7 +38,7 @@ class _Groups:
             return False
         if self.leader[rb]:
             ra, rb = rb, ra
-        self.parent[rb] = ra
+        super().union(ra, rb)
         self.leader[ra] = self.leader[ra] or self.leader[rb]
         return True
 
@@ -59,7 +54,7 @@ def coarsen(ops, producer: dict[int, int], is_input: set[int], shape_of=None):
     """
     n = len(ops)
     follower = [is_follower(p) for p, _, _ in ops]
-    g = _Groups(n, [not f for f in follower])
+    g = _Groups([not f for f in follower])
     by_input: dict[int, int] = {}
     touches_input = [False] * n
     reads_tensor = [any(t is not None for t in ins) for _, ins, _ in ops]

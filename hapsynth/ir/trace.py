@@ -160,12 +160,17 @@ def trace(fn, *args) -> Program:
     )
 
 
+def value_of(env, x):
+    """An operand's value: a constant's own, or the tensor's from `env`."""
+    return x.value if isinstance(x, Const) else env[x]
+
+
 def evaluate(prog: Program, flat_args) -> dict:
     """Run the flat program eqn by eqn (eager); returns {tensor id: value}."""
     env = dict(prog.consts)
     env.update(zip(prog.inputs, flat_args))
     for e in prog.eqns:
-        vals = [x.value if isinstance(x, Const) else env[x] for x in e.inputs]
+        vals = [value_of(env, x) for x in e.inputs]
         outs = _jax.bind(e.primitive, vals, e.params)
         if not e.primitive.multiple_results:
             outs = (outs,)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hapsynth.ir.graph import PARALLEL, REDUCTION, Graph
+from hapsynth.ir.unionfind import UnionFind
 
 R, P = "R", "P"
 
@@ -30,32 +31,15 @@ def S(dim: int, units: int):
     return ("S", int(dim), int(units))
 
 
-class _UnionFind:
-    def __init__(self):
-        self.parent: dict = {}
-
-    def find(self, x):
-        self.parent.setdefault(x, x)
-        while self.parent[x] != x:
-            self.parent[x] = self.parent[self.parent[x]]
-            x = self.parent[x]
-        return x
-
-    def union(self, a, b):
-        ra, rb = self.find(a), self.find(b)
-        if ra != rb:
-            self.parent[max(ra, rb)] = min(ra, rb)
-
-
 def _shardable(f) -> bool:
     return f.size > 1 and (f.kind == PARALLEL or (f.kind == REDUCTION and f.reduce == "sum"))
 
 
-def link_factors(graph: Graph, ops=None) -> _UnionFind:
+def link_factors(graph: Graph, ops=None) -> UnionFind:
     """Union (op, factor) pairs that share a tensor dim between producer and consumer."""
     ops = graph.ops if ops is None else ops
     keep = {op.id for op in ops}
-    uf = _UnionFind()
+    uf = UnionFind()  # roots are the smallest (op, factor): deterministic class names
     result_pos: dict[tuple[int, int], list] = {}  # (tensor, dim) -> [(op, factor)] producing it
     for op in ops:
         for fi, f in enumerate(op.rule.factors):
@@ -74,7 +58,8 @@ def link_factors(graph: Graph, ops=None) -> _UnionFind:
                     continue
                 for (pop, pfi, psize) in result_pos.get((t, d), ()):
                     if pop in keep and psize == f.size:
-                        uf.union((pop, pfi), (op.id, fi))
+                        a, b = sorted((uf.find((pop, pfi)), uf.find((op.id, fi))))
+                        uf.union(a, b)
     return uf
 
 
@@ -132,7 +117,7 @@ class Strategy:
     layouts: dict = field(default_factory=dict, compare=False)  # produced tensor -> layout
 
 
-def node_strategies(graph: Graph, node, uf: _UnionFind, max_classes: int = 6,
+def node_strategies(graph: Graph, node, uf: UnionFind, max_classes: int = 6,
                     keep=()) -> list[Strategy]:
     """Replicate, plus sharding each of the node's heaviest factor classes (and `keep`)."""
     ops = [graph.ops[i] for i in node.ops]
@@ -152,7 +137,7 @@ def node_strategies(graph: Graph, node, uf: _UnionFind, max_classes: int = 6,
     return out + [propagate(graph, ops, c, uf) for c in classes]
 
 
-def propagate(graph: Graph, ops, klass, uf: _UnionFind, carry: bool = False) -> Strategy:
+def propagate(graph: Graph, ops, klass, uf: UnionFind, carry: bool = False) -> Strategy:
     """Choices of every op in program order when `klass` is sharded (None: replicate).
 
     `carry=True`: operands from other nodes may arrive as partial sums, so sums of
@@ -176,7 +161,7 @@ def propagate(graph: Graph, ops, klass, uf: _UnionFind, carry: bool = False) -> 
     return Strategy(klass, tuple(choices), layout)
 
 
-def batch_class(graph: Graph, uf: _UnionFind, data_inputs) -> tuple | None:
+def batch_class(graph: Graph, uf: UnionFind, data_inputs) -> tuple | None:
     """The factor class holding dim 0 of the data arguments (what data parallelism shards)."""
     data = set(data_inputs)
     for op in graph.ops:
