@@ -3,8 +3,11 @@
 Pipeline, one folder per stage: `ir/` (trace + sharding IR) -> `synth/` (cluster,
 cost model, CP-SAT) -> `lower/` (shard_map program) -> `api.py` (what users call).
 """
-from hapsynth.api import inspect
+from hapsynth.api import Parallelized, inspect, parallelize
 from hapsynth.synth.cluster import Cluster, ClusterError, DeviceClass, LinkLevel
+from hapsynth.synth.plan import Plan
+from hapsynth.synth.synthesize import InfeasibleMemory
 
-__all__ = ["Cluster", "ClusterError", "DeviceClass", "LinkLevel", "inspect"]
+__all__ = ["Cluster", "ClusterError", "DeviceClass", "InfeasibleMemory", "LinkLevel",
+           "Parallelized", "Plan", "inspect", "parallelize"]
 __version__ = "0.1.0"

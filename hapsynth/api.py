@@ -1,9 +1,77 @@
 """The public API (DESIGN.md "Public API"): what users import as `hapsynth as hs`."""
 from __future__ import annotations
 
+import functools
+
+import jax
+
 from hapsynth.ir import inspect as _inspect
+from hapsynth.ir import lift
+from hapsynth.synth.cluster import Cluster
+from hapsynth.synth.plan import Plan
+from hapsynth.synth.synthesize import synthesize
 
 
 def inspect(train_step, *example_args) -> dict:
     """IR coverage and cost of `train_step(*example_args)`; see `hapsynth.ir.report.inspect`."""
     return _inspect(train_step, *example_args)
+
+
+def _abstract(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def signature_of(args) -> tuple:
+    """What a plan depends on: the pytree structure, shapes and dtypes of the arguments."""
+    leaves, tree = jax.tree.flatten(args)
+    return tree, tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
+
+
+def state_arity(train_step, args) -> int:
+    """How many leading arguments are state: the output's leading elements with the same
+    pytree structure (params, opt_state) are fed back as the next step's arguments."""
+    out = jax.eval_shape(train_step, *args)
+    if not isinstance(out, (tuple, list)):
+        return 0
+    k = 0
+    while k < min(len(out), len(args)) and \
+            jax.tree.structure(out[k]) == jax.tree.structure(args[k]):
+        k += 1
+    return k
+
+
+class Parallelized:
+    """A train step bound to a cluster: `.plan(*args)` synthesises (cached per signature)."""
+
+    def __init__(self, train_step, cluster: Cluster, *, donate_argnums=(), time_limit: float = 10.0,
+                 seed: int = 0, workers: int = 2):
+        self.train_step = train_step
+        self.cluster = cluster if isinstance(cluster, Cluster) else Cluster.load(cluster)
+        self.donate_argnums = donate_argnums
+        self.options = {"time_limit": time_limit, "seed": seed, "workers": workers}
+        self._plans: dict = {}
+        functools.update_wrapper(self, train_step)
+
+    def plan(self, *args) -> Plan:
+        """The plan for these arguments (arrays or `jax.ShapeDtypeStruct`s); no devices needed."""
+        args = jax.tree.map(_abstract, args)
+        key = signature_of(args)
+        if key not in self._plans:
+            k = state_arity(self.train_step, args)
+            nstate = len(jax.tree.leaves(args[:k]))
+            _, graph = lift(self.train_step, *args)
+            self._plans[key] = synthesize(graph, self.cluster, num_state_leaves=nstate,
+                                          data_inputs=graph.inputs[nstate:], **self.options)
+        return self._plans[key]
+
+    def __call__(self, *args):
+        raise NotImplementedError(
+            "running a parallelized step needs the lowering stage (hapsynth/lower/), which is "
+            "not built yet; use .plan(*args) to synthesise and inspect the plan")
+
+
+def parallelize(train_step=None, *, cluster, donate_argnums=(), **options):
+    """`hs.parallelize(step, cluster=...)` or `@hs.parallelize(cluster=...)`."""
+    if train_step is None:
+        return lambda fn: Parallelized(fn, cluster, donate_argnums=donate_argnums, **options)
+    return Parallelized(train_step, cluster, donate_argnums=donate_argnums, **options)

@@ -1,4 +1,4 @@
-"""`hapsynth` command line: inspect a zoo model's IR, run the demo."""
+"""`hapsynth` command line: inspect a zoo model's IR, plan it on a cluster, run the demo."""
 from __future__ import annotations
 
 import argparse
@@ -46,6 +46,28 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    import hapsynth as hs
+
+    cluster = hs.Cluster.load(args.cluster)
+    step, example = _zoo(args.model, args.config, cluster.num_devices)
+    try:
+        plan = hs.parallelize(step, cluster=cluster, time_limit=args.time_limit,
+                              seed=args.seed).plan(*example)
+    except hs.InfeasibleMemory as err:
+        print(f"hapsynth plan: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(plan.to_json())
+    else:
+        print(f"{args.model} ({args.config}, batch for {cluster.num_devices} devices)")
+        print(plan.summary())
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(plan.to_json())
+    return 0
+
+
 def cmd_demo(args) -> int:
     from hapsynth import demo
 
@@ -64,6 +86,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help="sets the paper batch (32 x devices) and MoE experts (2 x devices)")
     ins.add_argument("--json", action="store_true", help="print the report as JSON")
     ins.set_defaults(func=cmd_inspect)
+    pl = sub.add_parser("plan", help="synthesise a plan for a zoo model on a cluster")
+    pl.add_argument("model", choices=names())
+    pl.add_argument("--config", default="paper", choices=list(CONFIG_NAMES))
+    pl.add_argument("--cluster", default="hap-v100x16-p100x48",
+                    help="preset name or TOML path (see Cluster.presets())")
+    pl.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT seconds in all")
+    pl.add_argument("--seed", type=int, default=0)
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+    pl.add_argument("--out", help="also write the plan's JSON to this file")
+    pl.set_defaults(func=cmd_plan)
     demo = sub.add_parser("demo", help="the main job: what hapsynth can do today, end to end")
     demo.add_argument("--fast", action="store_true", help="skip the XLA cross-check")
     demo.set_defaults(func=cmd_demo)

@@ -73,6 +73,7 @@ class Tables:
     tail_start: int = 0
     units: dict = field(default_factory=dict)  # factor size -> per-device units
     group_latency: float = 0.0  # paid once by the deferred (combined) collectives
+    pricer: object = None
 
 
 @dataclass
@@ -98,6 +99,7 @@ class Pricer:
         self.shares = tuple(class_shares)
         self._units: dict[int, tuple[int, ...]] = {}
         self._conv: dict = {}
+        self._op: dict = {}
         self.dev_class = [cluster.class_of(i) for i in range(cluster.num_devices)]
         # Deferred collectives are combined into a few large ones (XLA's combiner):
         # price them by bandwidth alone and pay one all-reduce latency for the group.
@@ -110,9 +112,15 @@ class Pricer:
         return self._units[size]
 
     def op_time(self, op, choice) -> float:
-        if choice.factor is None:
+        size = None if choice.factor is None else op.rule.factors[choice.factor].size
+        key = (op.cost, size)
+        if key not in self._op:
+            self._op[key] = self._op_time(op, size)
+        return self._op[key]
+
+    def _op_time(self, op, size) -> float:
+        if size is None:
             return max(costmodel.compute_time(op.cost, c) for c in self.cluster.classes)
-        size = op.rule.factors[choice.factor].size
         u = self.units(size)
         worst = 0.0
         for c, cls in enumerate(self.cluster.classes):
@@ -131,15 +139,19 @@ class Pricer:
         return None
 
     def convert(self, src, dst, nbytes: float, bulk: bool = False) -> float:
+        return self.conversion(src, dst, nbytes, bulk)[2]
+
+    def conversion(self, src, dst, nbytes: float, bulk: bool = False) -> tuple:
+        """(collective, form, seconds) turning layout src into dst."""
         if src == dst or dst is None or src is None:
-            return 0.0
+            return ("none", None, 0.0)
         key = (src, dst, nbytes, bulk)
         if key not in self._conv:
             s = src if not isinstance(src, tuple) else ("S", src[1])
             d = dst if not isinstance(dst, tuple) else ("S", dst[1])
-            _, _, t = costmodel.conversion_time(self.bulk if bulk else self.cluster, s, d, nbytes,
-                                                self.sizes(src, nbytes), self.sizes(dst, nbytes))
-            self._conv[key] = t
+            self._conv[key] = costmodel.conversion_time(
+                self.bulk if bulk else self.cluster, s, d, nbytes,
+                self.sizes(src, nbytes), self.sizes(dst, nbytes))
         return self._conv[key]
 
 
@@ -149,26 +161,32 @@ def state_pairs(graph: Graph, num_state_leaves: int) -> dict[int, int]:
             if graph.outputs[i] is not None}
 
 
-def build_tables(graph: Graph, cluster: Cluster, class_shares, *, num_state_leaves: int = 0,
-                 max_classes: int = 6, uf=None, keep=()) -> Tables:
-    pr = Pricer(graph, cluster, class_shares)
+@dataclass
+class Structure:
+    """What does not depend on shard sizes: strategies and which layouts are needed."""
+
+    graph: Graph
+    strategies: list[list[Strategy]]
+    needs: dict          # (source tensor, layout) -> {"consumers": {node: set}, "ops": set}
+    producer_node: dict
+    tail_start: int
+    pairs: dict          # state input tensor -> state output tensor
+
+
+def build_structure(graph: Graph, *, num_state_leaves: int = 0, max_classes: int = 3,
+                    uf=None, keep=()) -> Structure:
     uf = uf or link_factors(graph)
     contraction_at = [op.id for op in graph.ops if op.primitive in CONTRACTIONS]
     tail_start = (max(contraction_at) + 1) if contraction_at else len(graph.ops)
     producer_node = {t.id: graph.ops[t.producer].node for t in graph.tensors if t.producer is not None}
     pairs = state_pairs(graph, num_state_leaves)
-    strategies, main, tail, main_at = [], [], [], []
-    needs: dict = {}  # (source tensor, need) -> {"consumers": {node: set}, "ops": set}
+    strategies, needs = [], {}
     for node in graph.nodes:
         strats = node_strategies(graph, node, uf, max_classes, keep)
         strategies.append(strats)
-        m_row, t_row, at_row = [], [], []
         for si, st in enumerate(strats):
-            m = tl = 0.0
-            at: dict[int, float] = {}
             for op_id, ch in st.choices:
-                op = graph.ops[op_id]
-                for i, t in enumerate(op.inputs):
+                for i, t in enumerate(graph.ops[op_id].inputs):
                     if t is None or ch.inputs[i] is None:
                         continue
                     src_t = pairs.get(t, t)  # a state input is laid out like its update
@@ -177,33 +195,63 @@ def build_tables(graph: Graph, cluster: Cluster, class_shares, *, num_state_leav
                     rec = needs.setdefault((src_t, ch.inputs[i]), {"consumers": {}, "ops": set()})
                     rec["consumers"].setdefault(node.id, set()).add(si)
                     rec["ops"].add(op_id)
-                t_op = pr.op_time(op, ch)
-                if op_id >= tail_start:
-                    tl += t_op
-                else:
-                    m += t_op
-                    at[op_id] = at.get(op_id, 0.0) + t_op
-            m_row.append(m); t_row.append(tl); at_row.append(at)
-        main.append(m_row); tail.append(t_row); main_at.append(at_row)
-    # outputs the user reads (not state) must end replicated
     state_outs = set(pairs.values())
-    for t in graph.outputs:
+    for t in graph.outputs:  # outputs the user reads (not state) must end replicated
         if t is not None and t not in state_outs and t in producer_node:
             needs.setdefault((t, R), {"consumers": {}, "ops": set()})["consumers"][-1] = {0}
-    tables = Tables(strategies, main, tail, main_at, [], tail_start)
-    for (t, need), rec in needs.items():
-        src = producer_node[t]
-        layouts = [st.layouts.get(t, R) for st in strategies[src]]
+    return Structure(graph, strategies, needs, producer_node, tail_start, pairs)
+
+
+def price(st: Structure, cluster: Cluster, class_shares, only: list[int] | None = None) -> Tables:
+    """Price every strategy and conversion of `st` at the given per-class shares.
+
+    `only` (a strategy per node) prices just that assignment: enough to `evaluate` it.
+    """
+    graph = st.graph
+    pr = Pricer(graph, cluster, class_shares)
+    main, tail, main_at = [], [], []
+    for n, strats in enumerate(st.strategies):
+        m_row, t_row, at_row = [], [], []
+        for si, strat in enumerate(strats):
+            if only is not None and only[n] != si:
+                m_row.append(0.0); t_row.append(0.0); at_row.append({})
+                continue
+            m = tl = 0.0
+            at: dict[int, float] = {}
+            for op_id, ch in strat.choices:
+                t_op = pr.op_time(graph.ops[op_id], ch)
+                if op_id >= st.tail_start:
+                    tl += t_op
+                elif t_op:
+                    m += t_op
+                    at[op_id] = t_op
+            m_row.append(m); t_row.append(tl); at_row.append(at)
+        main.append(m_row); tail.append(t_row); main_at.append(at_row)
+    tables = Tables(st.strategies, main, tail, main_at, [], st.tail_start)
+    for (t, need), rec in st.needs.items():
+        src = st.producer_node[t]
+        layouts = [s.layouts.get(t, R) for s in st.strategies[src]]
+        if only is not None and not any(n < 0 or only[n] in ss for n, ss in rec["consumers"].items()):
+            continue
         nbytes = graph.tensors[t].nbytes
-        deferred = bool(rec["ops"]) and min(rec["ops"]) >= tail_start
-        cost = {lay: pr.convert(lay, need, nbytes, deferred) for lay in set(layouts)}
+        deferred = bool(rec["ops"]) and min(rec["ops"]) >= st.tail_start
+        used = set(layouts) if only is None else {layouts[only[src]]}
+        cost = {lay: pr.convert(lay, need, nbytes, deferred) for lay in used}
         if not any(cost.values()):
             continue
         pos = graph.tensors[t].producer if deferred else min(rec["ops"], default=len(graph.ops))
         tables.edges.append(Edge(src, t, need, layouts, rec["consumers"], cost, deferred, pos))
     tables.units = dict(pr._units)
     tables.group_latency = pr.group_latency
+    tables.pricer = pr
     return tables
+
+
+def build_tables(graph: Graph, cluster: Cluster, class_shares, *, num_state_leaves: int = 0,
+                 max_classes: int = 3, uf=None, keep=()) -> Tables:
+    """Structure and prices in one call."""
+    return price(build_structure(graph, num_state_leaves=num_state_leaves, max_classes=max_classes,
+                                 uf=uf, keep=keep), cluster, class_shares)
 
 
 def edge_needed(e: Edge, assign) -> bool:

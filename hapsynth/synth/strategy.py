@@ -122,12 +122,14 @@ def node_strategies(graph: Graph, node, uf: UnionFind, max_classes: int = 6,
     """Replicate, plus sharding each of the node's heaviest factor classes (and `keep`)."""
     ops = [graph.ops[i] for i in node.ops]
     weight: dict = {}
-    for op in ops:
+    anchor: dict = {}  # first (local op index, factor) holding the class: a node-relative name
+    for k, op in enumerate(ops):
         for fi, f in enumerate(op.rule.factors):
             if _shardable(f):
                 c = uf.find((op.id, fi))
                 weight[c] = weight.get(c, 0.0) + op.cost.flops + 1e-3 * op.cost.bytes
-    ranked = sorted(weight, key=lambda c: (-weight[c], str(c)))
+                anchor.setdefault(c, (k, fi))
+    ranked = sorted(weight, key=lambda c: (-weight[c], anchor[c]))
     classes = [c for c in ranked if c in keep] + [c for c in ranked if c not in keep]
     classes = classes[:max(max_classes, sum(1 for c in ranked if c in keep))]
     out = [propagate(graph, ops, None, uf)]
@@ -169,3 +171,21 @@ def batch_class(graph: Graph, uf: UnionFind, data_inputs) -> tuple | None:
             if _shardable(f) and any(op.inputs[i] in data and d == 0 for (i, d) in f.operands):
                 return uf.find((op.id, fi))
     return None
+
+
+def layer_ties(graph: Graph, strategies) -> list[int]:
+    """Representative node per node: nodes repeated across layers share one decision.
+
+    Two nodes tie when their ops match (primitive, shapes, in order) and their
+    strategy lists line up (same count, ranked by node-relative anchors), so index s
+    means the same strategy in both. Any tie is a valid plan; it only shrinks search.
+    """
+    first: dict = {}
+    reps = []
+    for node, strats in zip(graph.nodes, strategies):
+        sig = (len(strats), tuple((s.klass is None) for s in strats), tuple(
+            (graph.ops[i].primitive, tuple(graph.tensors[t].shape if t is not None else None
+                                           for t in graph.ops[i].inputs),
+             tuple(graph.tensors[t].shape for t in graph.ops[i].outputs)) for i in node.ops))
+        reps.append(first.setdefault(sig, node.id))
+    return reps

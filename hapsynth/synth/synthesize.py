@@ -1,0 +1,221 @@
+"""Synthesis: alternate CP-SAT strategy choice and per-class shares (HAP's scheme).
+
+1. Structure (strategies, needed layouts) once; baselines DP-EV, DP-CP and ideal.
+2. Shares start proportional to FLOP/s; CP-SAT picks strategies from the best known
+   assignment (a data-parallel hint, so a feasible plan always exists).
+3. With strategies fixed, shares are searched on a small grid between FLOP/s,
+   memory bandwidth and even; repeat 2-3 until no improvement.
+The returned plan is never slower than DP-EV or DP-CP under the same cost model:
+when a baseline prices best, it is the plan (and `Plan.chosen` says so).
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+
+from hapsynth.ir.graph import Graph
+from hapsynth.synth.cluster import Cluster
+from hapsynth.synth.memory import memory_per_device, memory_rows, memory_terms
+from hapsynth.synth.plan import Conversion, Plan, layout_str
+from hapsynth.synth.pricing import build_structure, data_parallel, edge_needed, evaluate, price
+from hapsynth.synth.solver import solve
+from hapsynth.synth.strategy import batch_class, layer_ties, link_factors
+
+
+class InfeasibleMemory(ValueError):
+    """No plan found fits a device class's memory."""
+
+
+def graph_signature(graph: Graph) -> str:
+    h = hashlib.sha256()
+    for op in graph.ops:
+        h.update(repr((op.primitive, op.inputs, op.outputs)).encode())
+    for t in graph.tensors:
+        h.update(repr((t.shape, t.dtype)).encode())
+    return h.hexdigest()[:16]
+
+
+def _shares(cluster: Cluster, speed) -> tuple[float, ...]:
+    w = [c.count * speed(c) for c in cluster.classes]
+    return tuple(x / sum(w) for x in w)
+
+
+def share_candidates(cluster: Cluster) -> list[tuple[float, ...]]:
+    """Per-class shares between FLOP/s-proportional, bandwidth-proportional and even."""
+    flops = _shares(cluster, lambda c: c.flops)
+    bw = _shares(cluster, lambda c: c.mem_bandwidth)
+    even = _shares(cluster, lambda c: 1.0)
+    out = []
+    for g in (0.0, 0.25, 0.5, 0.75, 1.0):        # flops -> bandwidth
+        mix = tuple((1 - g) * a + g * b for a, b in zip(flops, bw))
+        for lam in (0.0, 0.25, 0.5):             # -> even
+            out.append(tuple((1 - lam) * a + lam * e for a, e in zip(mix, even)))
+    return list(dict.fromkeys(out))
+
+
+def preferred(tables, classes) -> list[int]:
+    """Each node shards the first class of `classes` it holds, else replicates."""
+    out = []
+    for strats in tables.strategies:
+        ks = [s.klass for s in strats]
+        out.append(next((ks.index(c) for c in classes if c in ks), 0))
+    return out
+
+
+def state_classes(graph, uf, num_state_leaves: int, fraction: float = 0.25) -> list[list]:
+    """Candidate ways to shard the largest state tensors (those at least `fraction` of the
+    largest), one per dim: the factor classes sitting on that dim in their consumers
+    (e.g. every layer's expert dim). Sharding them cuts state memory."""
+    from hapsynth.synth.strategy import _shardable
+
+    state = graph.inputs[:num_state_leaves]
+    top = max((graph.tensors[t].nbytes for t in state), default=0)
+    big = {t for t in state if graph.tensors[t].nbytes >= fraction * top}
+    by_dim: dict[int, list] = {}
+    for op in graph.ops:
+        for fi, f in enumerate(op.rule.factors):
+            if not _shardable(f):
+                continue
+            for i, d in f.operands:
+                if op.inputs[i] in big:
+                    c = uf.find((op.id, fi))
+                    if c not in by_dim.setdefault(d, []):
+                        by_dim[d].append(c)
+    return [by_dim[d] for d in sorted(by_dim)]
+
+
+def fit_memory(st, tables, assign, capacity, ties=None) -> list[int]:
+    """Greedy start when data parallelism does not fit: repeatedly switch the decision
+    (a node with its tied copies) that frees the most memory per second it adds."""
+    ties = ties or list(range(len(assign)))
+    assign = list(assign)
+    groups: dict = {}
+    for n, rep in enumerate(ties):
+        groups.setdefault(rep, []).append(n)
+    touching: dict = {}
+    for e in tables.edges:
+        for n in {e.src, *(c for c in e.consumers if c >= 0)}:
+            touching.setdefault(ties[n], []).append(e)
+
+    def local_time(a, rep):
+        nodes = groups[rep]
+        t = sum(tables.main[n][a[n]] + tables.tail[n][a[n]] for n in nodes)
+        return t + sum(e.cost[e.layouts[a[e.src]]] for e in touching.get(rep, ())
+                       if edge_needed(e, a))
+
+    for _ in range(len(assign)):
+        if memory_per_device(st, tables, assign)["total"] <= capacity:
+            break
+        terms = memory_terms(st, assign, tables)
+        saving: dict = {}
+        for n, per in memory_rows(st, tables, terms):
+            for s, b in enumerate(per):
+                key = (ties[n], s)
+                saving[key] = saving.get(key, 0.0) + per[assign[n]] - b
+        best = None
+        for (rep, s), gain in saving.items():
+            if gain <= 0 or s == assign[rep]:
+                continue
+            trial = [s if ties[n] == rep else a for n, a in enumerate(assign)]
+            cost = max(local_time(trial, rep) - local_time(assign, rep), 0.0) + 1e-9
+            score = (cost / gain, rep, s)
+            if best is None or score < best[0]:
+                best = (score, trial)
+        if best is None:
+            break
+        assign = best[1]
+    return assign
+
+
+def synthesize(graph: Graph, cluster: Cluster, *, num_state_leaves: int, data_inputs,
+               time_limit: float = 10.0, workers: int = 2, seed: int = 0, max_rounds: int = 3,
+               share_layers: bool = True, max_classes: int = 3) -> Plan:
+    t0 = time.perf_counter()
+    uf = link_factors(graph)
+    batch = batch_class(graph, uf, data_inputs)
+    big = state_classes(graph, uf, num_state_leaves)
+    keep = tuple(dict.fromkeys(c for c in (batch, *(c for cs in big for c in cs)) if c is not None))
+    st = build_structure(graph, num_state_leaves=num_state_leaves, max_classes=max_classes,
+                         uf=uf, keep=keep)
+    dp = data_parallel(st_tables := price(st, cluster, _shares(cluster, lambda c: c.flops)), batch)
+    ev_shares = _shares(cluster, lambda c: 1.0)
+    ev_tables = price(st, cluster, ev_shares)
+    baselines = {"DP-EV": evaluate(ev_tables, dp)["step"], "DP-CP": evaluate(st_tables, dp)["step"],
+                 "ideal": graph.flops / cluster.total_flops}
+    capacity = min(c.memory for c in cluster.classes)
+    ties = layer_ties(graph, st.strategies) if share_layers else None
+
+    shares, tables, assign = _shares(cluster, lambda c: c.flops), st_tables, dp
+    if memory_per_device(st, tables, assign)["total"] > capacity:
+        # start from the best memory-fitting "shard this state dim, else the batch" plan
+        starts = [preferred(tables, [*cs, batch]) for cs in big]
+        starts = [fit_memory(st, tables, a, capacity, ties) for a in starts + [dp]]
+        assign = min(starts, key=lambda a: (memory_per_device(st, tables, a)["total"] > capacity,
+                                            evaluate(tables, a)["step"]))
+    best = evaluate(tables, assign)["step"]
+    stats, rounds, solve_wall = None, 0, 0.0
+    candidates = share_candidates(cluster)
+    for rounds in range(1, max_rounds + 1):
+        terms = memory_terms(st, assign, tables)
+        a, stats = solve(tables, assign, time_limit=time_limit / max_rounds, workers=workers,
+                         seed=seed, ties=ties, memory=(capacity, memory_rows(st, tables, terms)))
+        solve_wall += stats.wall
+        if evaluate(tables, a)["step"] < best:
+            assign, best = a, evaluate(tables, a)["step"]
+        improved = False
+        for cand in candidates:
+            tb = price(st, cluster, cand, only=assign)
+            t = evaluate(tb, assign)["step"]
+            if t < best * (1 - 1e-3) and memory_per_device(st, tb, assign)["total"] <= capacity:
+                shares, best, improved = cand, t, True
+        if not improved:
+            break
+        tables = price(st, cluster, shares)
+
+    chosen = "synthesized"
+    for name, tb in (("DP-CP", st_tables), ("DP-EV", ev_tables)):
+        if baselines[name] < best and memory_per_device(st, tb, dp)["total"] <= capacity:
+            tables, assign, best, chosen = tb, dp, baselines[name], name
+            shares = tb.pricer.shares
+    need = memory_per_device(st, tables, assign)["total"]
+    for c in cluster.classes:
+        if need > c.memory:
+            raise InfeasibleMemory(
+                f"no plan found fits device class {c.name!r}: it needs {need / 2**30:.2f} GiB per "
+                f"device ({need:.0f} bytes) but has {c.memory / 2**30:.2f} GiB ({c.memory} bytes), "
+                f"short by {(need - c.memory) / 2**30:.2f} GiB")
+    return _make_plan(graph, cluster, st, tables, assign, shares, baselines, chosen, need, {
+        "status": stats.status if stats else "NONE",
+        "gap": stats.gap if stats and stats.gap == stats.gap else None,
+        "objective": stats.objective if stats and stats.objective == stats.objective else None,
+        "bound": stats.bound if stats and stats.bound == stats.bound else None,
+        "solve_seconds": solve_wall, "wall": time.perf_counter() - t0, "rounds": rounds,
+        "variables": stats.variables if stats else 0,
+        "decisions": len(set(ties)) if ties else len(graph.nodes)})
+
+
+def _make_plan(graph, cluster, st, tables, assign, shares, baselines, chosen, need, solver) -> Plan:
+    ev = evaluate(tables, assign)
+    op_factors = [-1] * len(graph.ops)
+    for n, s in enumerate(assign):
+        for op_id, ch in st.strategies[n][s].choices:
+            op_factors[op_id] = -1 if ch.factor is None else ch.factor
+    convs = []
+    for e in tables.edges:
+        lay = e.layouts[assign[e.src]]
+        if not e.cost[lay] or not edge_needed(e, assign):
+            continue
+        nbytes = graph.tensors[e.tensor].nbytes
+        coll, form, _ = tables.pricer.conversion(lay, e.need, nbytes, e.deferred)
+        convs.append(Conversion(e.tensor, layout_str(lay), layout_str(e.need), coll, form,
+                                e.cost[lay], e.deferred, int(nbytes)))
+    return Plan(
+        cluster=cluster.name, classes=tuple(c.name for c in cluster.classes),
+        ratios={c.name: float(s) for c, s in zip(cluster.classes, shares)},
+        predicted_step_time=ev["step"],
+        breakdown={k: ev[k] for k in ("compute", "inline_comm", "deferred_comm", "exposed_comm")},
+        baselines=baselines,
+        memory={c.name: {"need": int(need), "capacity": int(c.memory)} for c in cluster.classes},
+        solver=solver, strategies=tuple(assign), op_factors=tuple(op_factors),
+        conversions=tuple(convs), shard_units={int(k): tuple(v) for k, v in tables.units.items()},
+        signature=graph_signature(graph), unsupported=dict(graph.unsupported), chosen=chosen)
