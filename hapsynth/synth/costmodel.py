@@ -83,6 +83,8 @@ which is the "~0.6 s" of DESIGN.md (``all_reduce(cluster, 440e6)``).
 """
 from __future__ import annotations
 
+import numpy as np
+
 import math
 import numbers
 from collections import Counter
@@ -342,10 +344,31 @@ def all_to_all(cluster: Cluster, send: Sequence[Any]) -> float:
                 x = _nonneg(x, f"send[{i}][{j}]")
                 if i != j:
                     b = max(b, x)
-    if b == 0:
+    return _exchange_time(cluster, b)
+
+
+def _exchange_time(cluster: Cluster, block: float) -> float:
+    """Pairwise exchange of blocks of `block` bytes over all devices."""
+    if cluster.num_devices < 2 or block == 0:
         return 0.0
-    return sum(n * _step(levels, b)
+    return sum(n * _step(levels, block)
                for levels, n in _exchange_steps(cluster, _devices(cluster, None)))
+
+
+def _largest_block(t: float, src, dst, same_dim: bool) -> float:
+    """Largest off-diagonal entry of `all_to_all_blocks(t, src, dst, same_dim)` (numpy)."""
+    src, dst = np.asarray(src, float), np.asarray(dst, float)
+    if t == 0 or len(src) < 2:
+        return 0.0
+    if same_dim:
+        a_hi, b_hi = np.cumsum(src), np.cumsum(dst)
+        m = np.minimum(a_hi[:, None], b_hi[None, :]) - np.maximum((a_hi - src)[:, None],
+                                                                  (b_hi - dst)[None, :])
+        m = np.maximum(m, 0.0)
+    else:
+        m = np.outer(src, dst) / t
+    np.fill_diagonal(m, 0.0)
+    return float(m.max())
 
 
 def all_to_all_blocks(tensor_bytes: float, src_sizes: Sequence[float],
@@ -440,8 +463,8 @@ def conversion_time(cluster: Cluster, src: Any, dst: Any, tensor_bytes: float,
     if s[0] == "S" and d[0] == "S":
         if s == d and ss == ds:
             return NONE, None, 0.0
-        blocks = all_to_all_blocks(t, ss, ds, same_dim=(s == d))
-        return ALL_TO_ALL, "padded", all_to_all(cluster, blocks)
+        b = _largest_block(t, ss, ds, same_dim=(s == d))
+        return ALL_TO_ALL, "padded", _exchange_time(cluster, b)
     if s == d:
         return NONE, None, 0.0
     if s[0] == "S":

@@ -3,11 +3,12 @@
 Sharded tensors are stored padded to the largest shard (DESIGN.md's lowering), so
 a sharded tensor costs every device `max(units) * bytes / units_total`, whatever
 its own share: per-device memory is the same on every device, and the class with
-the least memory is the one that binds.
+the least memory is the one that binds. Activations: every tensor is live from its
+producer to its last reader (outputs to the end); the peak over program order counts.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import numpy as np
 
 from hapsynth.synth.pricing import Structure, Tables
 from hapsynth.synth.strategy import R
@@ -20,70 +21,78 @@ def layout_bytes(tables: Tables, layout, nbytes: float) -> float:
     return float(nbytes)
 
 
-@dataclass(frozen=True)
-class MemoryTerms:
-    """Tensors whose bytes count: state tensors always, activations live at `peak_op`."""
+class MemoryModel:
+    """Liveness intervals per (node, strategy), priced once per set of shares."""
 
-    state: tuple[int, ...]        # state output tensors (their layout is the state's)
-    live_at_peak: tuple[int, ...]  # intermediates live at the peak op
-    peak_op: int
+    def __init__(self, st: Structure, tables: Tables):
+        g = st.graph
+        n_ops = len(g.ops)
+        last_use: dict[int, int] = {}
+        for op in g.ops:
+            for t in op.inputs:
+                if t is not None:
+                    last_use[t] = op.id
+        outputs = {t for t in g.outputs if t is not None}
+        state = set(st.pairs.values())
+        self.n_ops = n_ops
+        # per node and strategy: (state bytes, birth positions, death positions, bytes)
+        self.rows = []
+        for node in g.nodes:
+            made = [(t, op_id) for op_id in node.ops for t in g.ops[op_id].outputs
+                    if t in last_use or t in outputs]
+            per = []
+            for strat in st.strategies[node.id]:
+                sb, births, deaths, sizes = 0.0, [], [], []
+                for t, op_id in made:
+                    b = layout_bytes(tables, strat.layouts.get(t, R), g.tensors[t].nbytes)
+                    if t in state:
+                        sb += b
+                    else:
+                        births.append(op_id)
+                        deaths.append(n_ops if t in outputs else last_use[t] + 1)
+                        sizes.append(b)
+                per.append((sb, np.array(births, int), np.array(deaths, int), np.array(sizes)))
+            self.rows.append(per)
+
+    def profile(self, assign) -> tuple[float, np.ndarray]:
+        """(state bytes, live activation bytes after each op)."""
+        diff = np.zeros(self.n_ops + 1)
+        state = 0.0
+        for n, s in enumerate(assign):
+            sb, b, d, z = self.rows[n][s]
+            state += sb
+            np.add.at(diff, b, z)
+            np.add.at(diff, d, -z)
+        return state, np.cumsum(diff)[:-1]
+
+    def per_device(self, assign) -> dict:
+        state, live = self.profile(assign)
+        peak = int(np.argmax(live)) if len(live) else 0
+        act = float(live[peak]) if len(live) else 0.0
+        return {"state": state, "activations": act, "total": state + act, "peak_op": peak}
+
+    def constraint_rows(self, assign) -> list[tuple[int, list[float]]]:
+        """(node, bytes per strategy) at the assignment's peak op, state included."""
+        p = self.per_device(assign)["peak_op"]
+        out = []
+        for n, per in enumerate(self.rows):
+            vals = [sb + float(z[(b <= p) & (d > p)].sum()) for sb, b, d, z in per]
+            if any(vals):
+                out.append((n, vals))
+        return out
 
 
-def memory_terms(st: Structure, assign: list[int] | None = None, tables: Tables | None = None
-                 ) -> MemoryTerms:
-    """Find the op where live activation bytes peak (under `assign`, or replicated)."""
-    g = st.graph
-    last_use: dict[int, int] = {}
-    for op in g.ops:
-        for t in op.inputs:
-            if t is not None:
-                last_use[t] = op.id
-    outputs = {t for t in g.outputs if t is not None}
-
-    def size(t):
-        if assign is None or tables is None:
-            return g.tensors[t].nbytes
-        return layout_bytes(tables, tensor_layout(st, assign, t), g.tensors[t].nbytes)
-
-    live, cur, best, best_at = set(), 0.0, -1.0, 0
-    for op in g.ops:
-        for t in op.outputs:
-            if t in last_use or t in outputs:
-                live.add(t)
-                cur += size(t)
-        if cur > best:
-            best, best_at, best_live = cur, op.id, tuple(sorted(live))
-        for t in op.inputs:
-            if t is not None and last_use.get(t) == op.id and t in live and t not in outputs:
-                live.discard(t)
-                cur -= size(t)
-    return MemoryTerms(tuple(sorted(st.pairs.values())), best_live if best >= 0 else (), best_at)
-
-
-def tensor_layout(st: Structure, assign, t):
-    node = st.producer_node.get(t)
-    return R if node is None else st.strategies[node][assign[node]].layouts.get(t, R)
+def _model(st: Structure, tables: Tables) -> MemoryModel:
+    if getattr(tables, "memory_model", None) is None:
+        tables.memory_model = MemoryModel(st, tables)
+    return tables.memory_model
 
 
 def memory_per_device(st: Structure, tables: Tables, assign) -> dict:
-    """{"state": bytes, "activations": bytes, "total": bytes} on every device."""
-    g = st.graph
-    terms = memory_terms(st, assign, tables)
-    state = sum(layout_bytes(tables, tensor_layout(st, assign, t), g.tensors[t].nbytes)
-                for t in terms.state)
-    act = sum(layout_bytes(tables, tensor_layout(st, assign, t), g.tensors[t].nbytes)
-              for t in terms.live_at_peak if t not in set(terms.state))
-    return {"state": state, "activations": act, "total": state + act}
+    """{"state", "activations", "total" (bytes on every device), "peak_op"}."""
+    return _model(st, tables).per_device(assign)
 
 
-def memory_rows(st: Structure, tables: Tables, terms: MemoryTerms) -> list[tuple[int, list[float]]]:
-    """(node, bytes per strategy) for each counted tensor: the solver's memory constraint."""
-    rows = []
-    for t in dict.fromkeys(terms.state + terms.live_at_peak):
-        node = st.producer_node.get(t)
-        if node is None:
-            continue
-        nbytes = st.graph.tensors[t].nbytes
-        rows.append((node, [layout_bytes(tables, s.layouts.get(t, R), nbytes)
-                            for s in st.strategies[node]]))
-    return rows
+def memory_rows(st: Structure, tables: Tables, assign) -> list[tuple[int, list[float]]]:
+    """The solver's memory constraint: bytes per strategy of each node at the peak."""
+    return _model(st, tables).constraint_rows(assign)

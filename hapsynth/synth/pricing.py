@@ -74,6 +74,8 @@ class Tables:
     units: dict = field(default_factory=dict)  # factor size -> per-device units
     group_latency: float = 0.0  # paid once by the deferred (combined) collectives
     pricer: object = None
+    memory_model: object = None  # built on first use (synth/memory.py)
+    _arrays: object = None       # built on first `evaluate`
 
 
 @dataclass
@@ -258,36 +260,80 @@ def edge_needed(e: Edge, assign) -> bool:
     return any(n < 0 or assign[n] in ss for n, ss in e.consumers.items())
 
 
+class _Arrays:
+    """Tables as numpy arrays, so one assignment evaluates in about a millisecond."""
+
+    def __init__(self, tables: Tables):
+        N = len(tables.strategies)
+        S = max(len(st) for st in tables.strategies)
+        self.rows = np.arange(N)
+        self.main = np.zeros((N, S))
+        self.tail = np.zeros((N, S))
+        self.at = []
+        for n, per in enumerate(tables.main_at):
+            self.main[n, :len(per)] = tables.main[n]
+            self.tail[n, :len(per)] = tables.tail[n]
+            self.at.append([(np.fromiter(d.keys(), int, len(d)), np.fromiter(d.values(), float, len(d)))
+                            for d in per])
+        E = len(tables.edges)
+        self.src = np.array([e.src for e in tables.edges], int)
+        self.cost = np.zeros((E, S))
+        for k, e in enumerate(tables.edges):
+            self.cost[k, :len(e.layouts)] = [e.cost.get(lay, 0.0) for lay in e.layouts]
+        self.deferred = np.array([e.deferred for e in tables.edges], bool)
+        self.position = np.array([e.position for e in tables.edges], int)
+        self.always = np.array([k for k, e in enumerate(tables.edges) if -1 in e.consumers], int)
+        trig = [[[] for _ in st] for st in tables.strategies]
+        for k, e in enumerate(tables.edges):
+            for n, ss in e.consumers.items():
+                if n >= 0:
+                    for s_ in ss:
+                        trig[n][s_].append(k)
+        self.triggers = [[np.array(t, int) for t in row] for row in trig]
+        top = max([int(p.max()) for row in self.at for p, _ in row if len(p)] +
+                  [int(self.position.max()) if E else 0])
+        self.n_pos = top + 1
+
+
 def evaluate(tables: Tables, assign: list[int]) -> dict:
-    """Step time of an assignment (strategy index per node), with its breakdown."""
-    main = sum(tables.main[n][s] for n, s in enumerate(assign))
-    tail = sum(tables.tail[n][s] for n, s in enumerate(assign))
-    inline = 0.0
-    events = []  # (position, seconds) of deferred conversions
-    main_by_pos: dict[int, float] = {}
-    for n, s in enumerate(assign):
-        for p, t in tables.main_at[n][s].items():
-            main_by_pos[p] = main_by_pos.get(p, 0.0) + t
-    for e in tables.edges:
-        c = e.cost[e.layouts[assign[e.src]]]
-        if not c or not edge_needed(e, assign):
-            continue
-        if e.deferred:
-            events.append((e.position, c))
-        else:
-            inline += c
-            main_by_pos[e.position] = main_by_pos.get(e.position, 0.0) + c
+    """Step time of an assignment (strategy index per node), with its breakdown.
+
+    Main compute and inline conversions run in program order; deferred conversions
+    queue on one stream from their producer's end (f = max(f, ready) + c, in issue
+    order); step = max(main end, stream end) + tail.
+    """
+    ar = getattr(tables, "_arrays", None)
+    if ar is None:
+        ar = tables._arrays = _Arrays(tables)
+    a = np.asarray(assign, int)
+    main = float(ar.main[ar.rows, a].sum())
+    tail = float(ar.tail[ar.rows, a].sum())
+    needed = np.zeros(len(ar.src), bool)
+    needed[ar.always] = True
+    trig = [ar.triggers[n][s] for n, s in enumerate(assign)]
+    if trig:
+        needed[np.concatenate(trig)] = True
+    c = ar.cost[np.arange(len(ar.src)), a[ar.src]] * needed if len(ar.src) else np.zeros(0)
+    inline_mask = ~ar.deferred & (c > 0)
+    inline = float(c[inline_mask].sum())
     main_end = main + inline
-    comm_free = 0.0
-    if events:
-        events.append((-1, tables.group_latency))
-        positions = sorted(main_by_pos)
-        cum = np.cumsum([main_by_pos[p] for p in positions])
-        for p, c in sorted(events):
-            k = np.searchsorted(positions, p, side="right")
-            ready = float(cum[k - 1]) if k else 0.0
-            comm_free = max(comm_free, ready) + c
-    deferred_total = sum(c for _, c in events)
+    ev = ar.deferred & (c > 0)
+    comm_free, deferred_total = 0.0, 0.0
+    if ev.any():
+        by_pos = np.zeros(ar.n_pos)
+        pos = [ar.at[n][s][0] for n, s in enumerate(assign)]
+        val = [ar.at[n][s][1] for n, s in enumerate(assign)]
+        np.add.at(by_pos, np.concatenate(pos), np.concatenate(val))
+        np.add.at(by_pos, ar.position[inline_mask], c[inline_mask])
+        cum = np.cumsum(by_pos)
+        ev_pos = np.concatenate([[-1], ar.position[ev]])
+        ev_c = np.concatenate([[tables.group_latency], c[ev]])
+        order = np.lexsort((ev_c, ev_pos))
+        ev_pos, ev_c = ev_pos[order], ev_c[order]
+        ready = np.where(ev_pos >= 0, cum[np.clip(ev_pos, 0, None)], 0.0)
+        C = np.cumsum(ev_c)
+        comm_free = float(C[-1] + max(0.0, float(np.max(ready - (C - ev_c)))))
+        deferred_total = float(C[-1])
     step = max(main_end, comm_free) + tail
     return {"step": step, "compute": main + tail, "inline_comm": inline,
             "deferred_comm": deferred_total, "exposed_comm": max(0.0, comm_free - main_end)}

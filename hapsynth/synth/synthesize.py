@@ -15,7 +15,7 @@ import time
 
 from hapsynth.ir.graph import Graph
 from hapsynth.synth.cluster import Cluster
-from hapsynth.synth.memory import memory_per_device, memory_rows, memory_terms
+from hapsynth.synth.memory import memory_per_device, memory_rows
 from hapsynth.synth.plan import Conversion, Plan, layout_str
 from hapsynth.synth.pricing import build_structure, data_parallel, edge_needed, evaluate, price
 from hapsynth.synth.solver import solve
@@ -46,7 +46,7 @@ def share_candidates(cluster: Cluster) -> list[tuple[float, ...]]:
     bw = _shares(cluster, lambda c: c.mem_bandwidth)
     even = _shares(cluster, lambda c: 1.0)
     out = []
-    for g in (0.0, 0.25, 0.5, 0.75, 1.0):        # flops -> bandwidth
+    for g in (0.0, 0.5, 1.0):                    # flops -> bandwidth
         mix = tuple((1 - g) * a + g * b for a, b in zip(flops, bw))
         for lam in (0.0, 0.25, 0.5):             # -> even
             out.append(tuple((1 - lam) * a + lam * e for a, e in zip(mix, even)))
@@ -84,46 +84,165 @@ def state_classes(graph, uf, num_state_leaves: int, fraction: float = 0.25) -> l
     return [by_dim[d] for d in sorted(by_dim)]
 
 
+class Decisions:
+    """The tied decision groups of an assignment, with a cheap local time per group:
+    its nodes' compute plus the conversions touching them (no overlap)."""
+
+    def __init__(self, tables, ties):
+        self.tables = tables
+        self.ties = ties or list(range(len(tables.strategies)))
+        self.groups: dict = {}
+        for n, rep in enumerate(self.ties):
+            self.groups.setdefault(rep, []).append(n)
+        self.touching: dict = {}
+        for e in tables.edges:
+            for n in {e.src, *(c for c in e.consumers if c >= 0)}:
+                self.touching.setdefault(self.ties[n], []).append(e)
+
+    def set(self, assign, rep, s) -> list[int]:
+        out = list(assign)
+        for n in self.groups[rep]:
+            out[n] = s
+        return out
+
+    def local_time(self, a, rep) -> float:
+        tb = self.tables
+        t = sum(tb.main[n][a[n]] + tb.tail[n][a[n]] for n in self.groups[rep])
+        return t + sum(e.cost[e.layouts[a[e.src]]] for e in self.touching.get(rep, ())
+                       if edge_needed(e, a))
+
+
 def fit_memory(st, tables, assign, capacity, ties=None) -> list[int]:
     """Greedy start when data parallelism does not fit: repeatedly switch the decision
     (a node with its tied copies) that frees the most memory per second it adds."""
-    ties = ties or list(range(len(assign)))
+    dec = Decisions(tables, ties)
     assign = list(assign)
-    groups: dict = {}
-    for n, rep in enumerate(ties):
-        groups.setdefault(rep, []).append(n)
-    touching: dict = {}
-    for e in tables.edges:
-        for n in {e.src, *(c for c in e.consumers if c >= 0)}:
-            touching.setdefault(ties[n], []).append(e)
-
-    def local_time(a, rep):
-        nodes = groups[rep]
-        t = sum(tables.main[n][a[n]] + tables.tail[n][a[n]] for n in nodes)
-        return t + sum(e.cost[e.layouts[a[e.src]]] for e in touching.get(rep, ())
-                       if edge_needed(e, a))
-
     for _ in range(len(assign)):
         if memory_per_device(st, tables, assign)["total"] <= capacity:
             break
-        terms = memory_terms(st, assign, tables)
         saving: dict = {}
-        for n, per in memory_rows(st, tables, terms):
+        for n, per in memory_rows(st, tables, assign):
             for s, b in enumerate(per):
-                key = (ties[n], s)
+                key = (dec.ties[n], s)
                 saving[key] = saving.get(key, 0.0) + per[assign[n]] - b
         best = None
         for (rep, s), gain in saving.items():
             if gain <= 0 or s == assign[rep]:
                 continue
-            trial = [s if ties[n] == rep else a for n, a in enumerate(assign)]
-            cost = max(local_time(trial, rep) - local_time(assign, rep), 0.0) + 1e-9
-            score = (cost / gain, rep, s)
-            if best is None or score < best[0]:
-                best = (score, trial)
+            trial = dec.set(assign, rep, s)
+            cost = max(dec.local_time(trial, rep) - dec.local_time(assign, rep), 0.0) + 1e-9
+            if best is None or (cost / gain, rep, s) < best[0]:
+                best = ((cost / gain, rep, s), trial)
         if best is None:
             break
         assign = best[1]
+    return assign
+
+
+def switch_classes(tables, assign, classes) -> list[int]:
+    """Every node holding one of `classes` shards the first it holds; others keep theirs."""
+    out = list(assign)
+    for n, strats in enumerate(tables.strategies):
+        ks = [s.klass for s in strats]
+        for c in classes:
+            if c in ks:
+                out[n] = ks.index(c)
+                break
+    return out
+
+
+def local_search(st, tables, assign, capacity, ties=None, budget: float = 5.0,
+                 class_moves=()) -> list[int]:
+    """Descent from `assign`: coordinated moves first (every node holding a class set
+    switches to it: expert parallelism needs forward, backward and optimizer nodes to
+    agree), then single decisions screened by local time. Every accepted move is
+    confirmed by the full evaluator and the memory bound."""
+    dec = Decisions(tables, ties)
+    assign = list(assign)
+    best = evaluate(tables, assign)["step"]
+    deadline = time.perf_counter() + budget
+
+    def accept(trial):
+        nonlocal assign, best
+        t = evaluate(tables, trial)["step"]
+        if t < best * (1 - 1e-6) and memory_per_device(st, tables, trial)["total"] <= capacity:
+            assign, best = trial, t
+            return True
+        return False
+
+    def costly_edges(limit=40):
+        paid = [(e.cost.get(e.layouts[assign[e.src]], 0.0), k) for k, e in enumerate(tables.edges)]
+        paid = [(c, k) for c, k in paid if c and edge_needed(tables.edges[k], assign)]
+        return [tables.edges[k] for _, k in sorted(paid, reverse=True)[:limit]]
+
+    def costly_pairs(limit=40):
+        """(producer group, consumer group) of the most expensive conversions now paid."""
+        out = []
+        for e in tables.edges:
+            c = e.cost.get(e.layouts[assign[e.src]], 0.0)
+            if not c or not edge_needed(e, assign):
+                continue
+            for n, ss in e.consumers.items():
+                if n >= 0 and assign[n] in ss and dec.ties[n] != dec.ties[e.src]:
+                    out.append((c, dec.ties[e.src], dec.ties[n]))
+        out.sort(reverse=True)
+        return list(dict.fromkeys((a, b) for _, a, b in out))[:limit]
+
+    improved = True
+    while improved and time.perf_counter() < deadline:
+        improved = False
+        for classes in class_moves:
+            improved |= accept(switch_classes(tables, assign, classes))
+        for rep in sorted(dec.groups, key=lambda r: -dec.local_time(assign, r)):
+            if time.perf_counter() > deadline:
+                break
+            here = dec.local_time(assign, rep)
+            for s in range(len(tables.strategies[rep])):
+                if s == assign[rep]:
+                    continue
+                trial = dec.set(assign, rep, s)
+                if dec.local_time(trial, rep) >= here - 1e-12:
+                    continue
+                if accept(trial):
+                    improved = True
+                    here = dec.local_time(assign, rep)
+        if improved:
+            continue
+        # drop an expensive conversion: every consumer group needing it moves at once
+        for e in costly_edges():
+            if time.perf_counter() > deadline:
+                break
+            trial = list(assign)
+            for n, ss in e.consumers.items():
+                if n < 0 or trial[n] not in ss:
+                    continue
+                rep = dec.ties[n]
+                options = [s_ for s_ in range(len(tables.strategies[rep])) if s_ not in ss]
+                if options:
+                    trial = min((dec.set(trial, rep, s_) for s_ in options),
+                                key=lambda t: dec.local_time(t, rep))
+            if trial != assign and accept(trial):
+                improved = True
+        if improved:
+            continue
+        # pair moves: change both ends of an expensive conversion together
+        for r1, r2 in costly_pairs():
+            if time.perf_counter() > deadline:
+                break
+            here = dec.local_time(assign, r1) + dec.local_time(assign, r2)
+            trials = []
+            for s1 in range(len(tables.strategies[r1])):
+                for s2 in range(len(tables.strategies[r2])):
+                    if (s1, s2) == (assign[r1], assign[r2]):
+                        continue
+                    trial = dec.set(dec.set(assign, r1, s1), r2, s2)
+                    d = dec.local_time(trial, r1) + dec.local_time(trial, r2) - here
+                    if d < -1e-12:
+                        trials.append((d, trial))
+            for _, trial in sorted(trials, key=lambda x: x[0])[:3]:
+                if accept(trial):
+                    improved = True
+                    break
     return assign
 
 
@@ -145,21 +264,29 @@ def synthesize(graph: Graph, cluster: Cluster, *, num_state_leaves: int, data_in
     capacity = min(c.memory for c in cluster.classes)
     ties = layer_ties(graph, st.strategies) if share_layers else None
 
-    shares, tables, assign = _shares(cluster, lambda c: c.flops), st_tables, dp
-    if memory_per_device(st, tables, assign)["total"] > capacity:
-        # start from the best memory-fitting "shard this state dim, else the batch" plan
-        starts = [preferred(tables, [*cs, batch]) for cs in big]
-        starts = [fit_memory(st, tables, a, capacity, ties) for a in starts + [dp]]
-        assign = min(starts, key=lambda a: (memory_per_device(st, tables, a)["total"] > capacity,
-                                            evaluate(tables, a)["step"]))
+    # Starts: data parallel, and "shard the big state tensors on dim d, else the batch"
+    # (expert parallelism for an MoE), each made to fit memory, at FLOP/s-proportional
+    # and at even shares (even shares pad less, which can be what makes a plan fit).
+    starts = []
+    for tb in (st_tables, ev_tables):
+        for a in [dp] + [preferred(tb, [*cs, batch]) for cs in big]:
+            if memory_per_device(st, tb, a)["total"] > capacity:
+                a = fit_memory(st, tb, a, capacity, ties)
+            fits = memory_per_device(st, tb, a)["total"] <= capacity
+            starts.append(((not fits, evaluate(tb, a)["step"]), tb, a))
+    _, tables, assign = min(starts, key=lambda x: x[0])
+    shares = tables.pricer.shares
+    moves = [cs for cs in big] + [[c] for c in keep]
+    assign = local_search(st, tables, assign, capacity, ties, budget=0.25 * time_limit,
+                          class_moves=moves)
     best = evaluate(tables, assign)["step"]
     stats, rounds, solve_wall = None, 0, 0.0
     candidates = share_candidates(cluster)
     for rounds in range(1, max_rounds + 1):
-        terms = memory_terms(st, assign, tables)
-        a, stats = solve(tables, assign, time_limit=time_limit / max_rounds, workers=workers,
-                         seed=seed, ties=ties, memory=(capacity, memory_rows(st, tables, terms)))
+        a, stats = solve(tables, assign, time_limit=0.15 * time_limit, workers=workers,
+                         seed=seed, ties=ties, memory=(capacity, memory_rows(st, tables, assign)))
         solve_wall += stats.wall
+        a = local_search(st, tables, a, capacity, ties, budget=0.1 * time_limit, class_moves=moves)
         if evaluate(tables, a)["step"] < best:
             assign, best = a, evaluate(tables, a)["step"]
         improved = False
