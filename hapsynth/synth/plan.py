@@ -34,6 +34,7 @@ class Plan:
     predicted_step_time: float        # seconds
     breakdown: dict                   # compute, inline_comm, deferred_comm, exposed_comm
     baselines: dict                   # {"DP-EV": s, "DP-CP": s, "ideal": s}
+    baseline_memory: dict             # {"DP-EV": bytes, "DP-CP": bytes} per device
     memory: dict                      # {class: {"need": bytes, "capacity": bytes}}
     solver: dict                      # status, gap, objective, bound, wall, rounds, ...
     strategies: tuple[int, ...]       # strategy index per node
@@ -82,9 +83,13 @@ class Plan:
                  f"  breakdown:   compute {b['compute']:.4g} s, inline comm {b['inline_comm']:.4g} s, "
                  f"gradient sync {b['deferred_comm']:.4g} s of which exposed {b['exposed_comm']:.4g} s"]
         base = self.baselines
-        lines.append(f"  baselines:   DP-EV {base['DP-EV']:.4g} s ({self.speedups['DP-EV']:.2f}x), "
-                     f"DP-CP {base['DP-CP']:.4g} s ({self.speedups['DP-CP']:.2f}x), "
-                     f"ideal {base['ideal']:.4g} s ({base['ideal'] / self.predicted_step_time:.0%} of plan)")
+        cap = min(m["capacity"] for m in self.memory.values())
+        fit = {k: "" if v <= cap else f", needs {v / 2**30:.1f} GiB: does not fit"
+               for k, v in self.baseline_memory.items()}
+        lines.append(f"  baselines:   DP-EV {base['DP-EV']:.4g} s ({self.speedups['DP-EV']:.2f}x{fit['DP-EV']}), "
+                     f"DP-CP {base['DP-CP']:.4g} s ({self.speedups['DP-CP']:.2f}x{fit['DP-CP']})")
+        lines.append(f"  ideal:       {base['ideal']:.4g} s (the plan is at "
+                     f"{base['ideal'] / self.predicted_step_time:.0%} of the limit)")
         sharded = sum(1 for f in self.op_factors if f >= 0)
         lines.append(f"  ops:         {sharded} of {len(self.op_factors)} sharded")
         for (coll, form), (n, s) in sorted(self.collectives().items(), key=lambda kv: -kv[1][1]):

@@ -60,12 +60,13 @@ class _Model:
 
 
 def solve(tables: Tables, hint: list[int], *, time_limit: float = 10.0, workers: int = 2,
-          seed: int = 0, ties: list[int] | None = None,
+          seed: int = 0, ties: list[int] | None = None, wall_limit: float | None = None,
           memory: tuple[float, list] | None = None) -> tuple[list[int], SolveStats]:
     """Best assignment found from `hint`; `ties[n]` = node whose decision n shares.
 
     `memory = (capacity bytes, [(node, bytes per strategy), ...])` bounds per-device
-    memory (see `memory.memory_rows`).
+    memory (see `memory.memory_rows`). `time_limit` is CP-SAT deterministic time (the
+    result depends only on the seed); `wall_limit` is a wall-clock backstop.
     """
     ties = ties or list(range(len(tables.strategies)))
     hint = [hint[ties[n]] for n in range(len(hint))]  # a tied hint
@@ -174,8 +175,12 @@ def solve(tables: Tables, hint: list[int], *, time_limit: float = 10.0, workers:
         m.add_hint(v, val)
 
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = float(time_limit)
+    # A deterministic-time limit and interleaved workers make the result a function of
+    # the seed; the wall-clock limit is only a backstop on slow machines.
+    solver.parameters.max_deterministic_time = float(time_limit)
+    solver.parameters.max_time_in_seconds = float(wall_limit or 3.0 * time_limit)
     solver.parameters.num_workers = int(workers)
+    solver.parameters.interleave_search = True
     solver.parameters.random_seed = int(seed)
     # Full presolve costs more than the search on large models (measured: 15 s of 30 s on
     # BERT-base); a light one leaves the time to the search, which starts from the hint.

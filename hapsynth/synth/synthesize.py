@@ -151,19 +151,24 @@ def switch_classes(tables, assign, classes) -> list[int]:
     return out
 
 
-def local_search(st, tables, assign, capacity, ties=None, budget: float = 5.0,
+def local_search(st, tables, assign, capacity, ties=None, budget: int = 200,
                  class_moves=()) -> list[int]:
     """Descent from `assign`: coordinated moves first (every node holding a class set
     switches to it: expert parallelism needs forward, backward and optimizer nodes to
-    agree), then single decisions screened by local time. Every accepted move is
-    confirmed by the full evaluator and the memory bound."""
+    agree), then single decisions screened by local time, then moves that drop an
+    expensive conversion. Every move is confirmed by the full evaluator and the memory
+    bound; `budget` caps those full evaluations (a count, so results are reproducible)."""
     dec = Decisions(tables, ties)
     assign = list(assign)
     best = evaluate(tables, assign)["step"]
-    deadline = time.perf_counter() + budget
+    spent = 0
+
+    def exhausted():
+        return spent >= budget
 
     def accept(trial):
-        nonlocal assign, best
+        nonlocal assign, best, spent
+        spent += 1
         t = evaluate(tables, trial)["step"]
         if t < best * (1 - 1e-6) and memory_per_device(st, tables, trial)["total"] <= capacity:
             assign, best = trial, t
@@ -189,12 +194,12 @@ def local_search(st, tables, assign, capacity, ties=None, budget: float = 5.0,
         return list(dict.fromkeys((a, b) for _, a, b in out))[:limit]
 
     improved = True
-    while improved and time.perf_counter() < deadline:
+    while improved and not exhausted():
         improved = False
         for classes in class_moves:
             improved |= accept(switch_classes(tables, assign, classes))
         for rep in sorted(dec.groups, key=lambda r: -dec.local_time(assign, r)):
-            if time.perf_counter() > deadline:
+            if exhausted():
                 break
             here = dec.local_time(assign, rep)
             for s in range(len(tables.strategies[rep])):
@@ -210,7 +215,7 @@ def local_search(st, tables, assign, capacity, ties=None, budget: float = 5.0,
             continue
         # drop an expensive conversion: every consumer group needing it moves at once
         for e in costly_edges():
-            if time.perf_counter() > deadline:
+            if exhausted():
                 break
             trial = list(assign)
             for n, ss in e.consumers.items():
@@ -227,7 +232,7 @@ def local_search(st, tables, assign, capacity, ties=None, budget: float = 5.0,
             continue
         # pair moves: change both ends of an expensive conversion together
         for r1, r2 in costly_pairs():
-            if time.perf_counter() > deadline:
+            if exhausted():
                 break
             here = dec.local_time(assign, r1) + dec.local_time(assign, r2)
             trials = []
@@ -256,13 +261,19 @@ def synthesize(graph: Graph, cluster: Cluster, *, num_state_leaves: int, data_in
     keep = tuple(dict.fromkeys(c for c in (batch, *(c for cs in big for c in cs)) if c is not None))
     st = build_structure(graph, num_state_leaves=num_state_leaves, max_classes=max_classes,
                          uf=uf, keep=keep)
+    phases = {"structure": time.perf_counter() - t0}
+    mark = time.perf_counter()
     dp = data_parallel(st_tables := price(st, cluster, _shares(cluster, lambda c: c.flops)), batch)
     ev_shares = _shares(cluster, lambda c: 1.0)
     ev_tables = price(st, cluster, ev_shares)
     baselines = {"DP-EV": evaluate(ev_tables, dp)["step"], "DP-CP": evaluate(st_tables, dp)["step"],
                  "ideal": graph.flops / cluster.total_flops}
     capacity = min(c.memory for c in cluster.classes)
+    baseline_memory = {"DP-EV": memory_per_device(st, ev_tables, dp)["total"],
+                       "DP-CP": memory_per_device(st, st_tables, dp)["total"]}
     ties = layer_ties(graph, st.strategies) if share_layers else None
+    phases["baselines"] = time.perf_counter() - mark
+    mark = time.perf_counter()
 
     # Starts: data parallel, and "shard the big state tensors on dim d, else the batch"
     # (expert parallelism for an MoE), each made to fit memory, at FLOP/s-proportional
@@ -277,16 +288,20 @@ def synthesize(graph: Graph, cluster: Cluster, *, num_state_leaves: int, data_in
     _, tables, assign = min(starts, key=lambda x: x[0])
     shares = tables.pricer.shares
     moves = [cs for cs in big] + [[c] for c in keep]
-    assign = local_search(st, tables, assign, capacity, ties, budget=0.25 * time_limit,
+    assign = local_search(st, tables, assign, capacity, ties, budget=int(40 * time_limit),
                           class_moves=moves)
     best = evaluate(tables, assign)["step"]
+    phases["starts+search"] = time.perf_counter() - mark
+    mark = time.perf_counter()
     stats, rounds, solve_wall = None, 0, 0.0
     candidates = share_candidates(cluster)
     for rounds in range(1, max_rounds + 1):
-        a, stats = solve(tables, assign, time_limit=0.15 * time_limit, workers=workers,
+        a, stats = solve(tables, assign, time_limit=0.06 * time_limit, workers=workers,
+                         wall_limit=0.25 * time_limit,
                          seed=seed, ties=ties, memory=(capacity, memory_rows(st, tables, assign)))
         solve_wall += stats.wall
-        a = local_search(st, tables, a, capacity, ties, budget=0.1 * time_limit, class_moves=moves)
+        a = local_search(st, tables, a, capacity, ties, budget=int(15 * time_limit),
+                         class_moves=moves)
         if evaluate(tables, a)["step"] < best:
             assign, best = a, evaluate(tables, a)["step"]
         improved = False
@@ -311,17 +326,20 @@ def synthesize(graph: Graph, cluster: Cluster, *, num_state_leaves: int, data_in
                 f"no plan found fits device class {c.name!r}: it needs {need / 2**30:.2f} GiB per "
                 f"device ({need:.0f} bytes) but has {c.memory / 2**30:.2f} GiB ({c.memory} bytes), "
                 f"short by {(need - c.memory) / 2**30:.2f} GiB")
-    return _make_plan(graph, cluster, st, tables, assign, shares, baselines, chosen, need, {
+    return _make_plan(graph, cluster, st, tables, assign, shares, baselines, baseline_memory,
+                      chosen, need, {
         "status": stats.status if stats else "NONE",
         "gap": stats.gap if stats and stats.gap == stats.gap else None,
         "objective": stats.objective if stats and stats.objective == stats.objective else None,
         "bound": stats.bound if stats and stats.bound == stats.bound else None,
         "solve_seconds": solve_wall, "wall": time.perf_counter() - t0, "rounds": rounds,
+        "phases": {**phases, "rounds": time.perf_counter() - mark},
         "variables": stats.variables if stats else 0,
         "decisions": len(set(ties)) if ties else len(graph.nodes)})
 
 
-def _make_plan(graph, cluster, st, tables, assign, shares, baselines, chosen, need, solver) -> Plan:
+def _make_plan(graph, cluster, st, tables, assign, shares, baselines, baseline_memory, chosen, need,
+               solver) -> Plan:
     ev = evaluate(tables, assign)
     op_factors = [-1] * len(graph.ops)
     for n, s in enumerate(assign):
@@ -342,6 +360,7 @@ def _make_plan(graph, cluster, st, tables, assign, shares, baselines, chosen, ne
         predicted_step_time=ev["step"],
         breakdown={k: ev[k] for k in ("compute", "inline_comm", "deferred_comm", "exposed_comm")},
         baselines=baselines,
+        baseline_memory={k: int(v) for k, v in baseline_memory.items()},
         memory={c.name: {"need": int(need), "capacity": int(c.memory)} for c in cluster.classes},
         solver=solver, strategies=tuple(assign), op_factors=tuple(op_factors),
         conversions=tuple(convs), shard_units={int(k): tuple(v) for k, v in tables.units.items()},

@@ -1,0 +1,95 @@
+"""Plans end to end: hs.parallelize(...).plan, baselines, JSON, determinism, bad input."""
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import hapsynth as hs
+from hapsynth.cli import main as cli_main
+from hapsynth.models import get
+
+CPU26 = hs.Cluster.load("cpu-2-6")
+
+
+@pytest.fixture(scope="module")
+def gpt_plan():
+    step, args = get("gpt", "tiny")
+    return hs.parallelize(step, cluster=CPU26, time_limit=2).plan(*args)
+
+
+def test_plan_is_never_slower_than_data_parallel_nor_faster_than_ideal(gpt_plan):
+    p = gpt_plan
+    assert p.predicted_step_time <= min(p.baselines["DP-EV"], p.baselines["DP-CP"]) * (1 + 1e-9)
+    assert p.predicted_step_time >= p.baselines["ideal"]
+    assert sum(p.ratios.values()) == pytest.approx(1.0)
+    assert set(p.ratios) == {"fast", "slow"}
+    # shard sizes: every sharded factor is split over the 8 devices and sums to its size
+    for units, per_device in p.shard_units.items():
+        assert len(per_device) == 8 and sum(per_device) == units
+
+
+def test_plan_json_round_trips_exactly(gpt_plan):
+    text = gpt_plan.to_json()
+    again = hs.Plan.from_json(text)
+    assert again == gpt_plan and again.to_json() == text
+    assert "DP-EV" in gpt_plan.summary() and "<pre>" in gpt_plan._repr_html_()
+
+
+def test_plans_are_cached_deterministic_and_shape_only():
+    step, args = get("mlp", "tiny")
+    par = hs.parallelize(step, cluster=CPU26, time_limit=1, seed=3)
+    p1 = par.plan(*args)
+    assert par.plan(*args) is p1  # cached per input signature
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
+    p2 = hs.parallelize(step, cluster=CPU26, time_limit=1, seed=3).plan(*abstract)
+    assert p2.strategies == p1.strategies and p2.ratios == p1.ratios
+    assert p2.predicted_step_time == p1.predicted_step_time
+
+
+def test_decorator_form_and_call_without_lowering():
+    @hs.parallelize(cluster="cpu8-even", time_limit=1)
+    def step(w, x):
+        loss, g = jax.value_and_grad(lambda w: jnp.mean((x @ w) ** 2))(w)
+        return w - 0.1 * g, loss
+
+    args = (jnp.ones((8, 4)), jnp.ones((16, 8)))
+    plan = step.plan(*args)
+    assert plan.cluster == "cpu8-even" and plan.ratios == {"CPU": 1.0}
+    with pytest.raises(NotImplementedError, match="lowering"):
+        step(*args)
+
+
+def test_infeasible_memory_names_the_class_and_the_bytes():
+    small = hs.Cluster.from_toml(
+        '[[class]]\ntype = "CPU"\nname = "tiny-mem"\ncount = 8\nhost = 0\nmemory = "64KiB"\n')
+    step, args = get("mlp", "tiny")
+    with pytest.raises(hs.InfeasibleMemory, match=r"'tiny-mem'.*needs .* GiB .*has 0.00 GiB"):
+        hs.parallelize(step, cluster=small, time_limit=1).plan(*args)
+
+
+def test_unknown_primitive_still_plans_replicated():
+    from jax.extend.core import Primitive
+    from jax.interpreters import mlir
+
+    p = Primitive("hapsynth_test_opaque")
+    p.def_impl(lambda x: x + 1)
+    p.def_abstract_eval(lambda x: x)
+    mlir.register_lowering(p, mlir.lower_fun(lambda x: x + 1, multiple_results=False))
+
+    def step(w, x):
+        loss, g = jax.value_and_grad(lambda w: jnp.sum(x @ w))(w)
+        return w - 0.1 * p.bind(g), loss
+
+    plan = hs.parallelize(step, cluster=CPU26, time_limit=1).plan(jnp.ones((4, 3)), jnp.ones((16, 4)))
+    assert plan.unsupported == {"hapsynth_test_opaque": 1}
+    assert "hapsynth_test_opaque" in plan.summary()
+
+
+def test_cli_plan_json(capsys):
+    assert cli_main(["plan", "mlp", "--config", "tiny", "--cluster", "cpu-2-6",
+                     "--time-limit", "1", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["predicted_step_time"] <= min(d["baselines"]["DP-EV"], d["baselines"]["DP-CP"]) + 1e-12
