@@ -4,7 +4,9 @@
    to the sharding IR and report coverage, size and flops.
 2. Price that work on HAP's V100 + P100 cluster: the even data-parallel split and the
    physical limit, compute only (the synthesizer adds communication and memory).
-3. Cross-check the IR's flops against XLA's own `cost_analysis()` on a compiled step.
+3. Synthesise a plan for BERT-base on that cluster (CP-SAT + search, uneven shares)
+   and compare it with data parallelism (even and FLOP/s-proportional batches).
+4. Cross-check the IR's flops against XLA's own `cost_analysis()` on a compiled step.
 """
 from __future__ import annotations
 
@@ -36,6 +38,11 @@ def main(fast: bool = False) -> int:
               f"{r['seconds']:5.2f}s {even:10.3f}s {ideal:6.3f}s")
     print("\neven split = every device gets 1/64 of the batch, so the P100s set the pace;"
           "\nlimit = total flops / total FLOP/s (perfect balance, no communication).")
+    step, args = get("bert", "paper", devices=n)
+    t = time.perf_counter()
+    plan = hs.parallelize(step, cluster=cluster).plan(*args)
+    print(f"\nbert (paper) planned in {time.perf_counter() - t:.1f}s:")
+    print(plan.summary())
     if fast:
         return 0
     step, args = get("gpt", "tiny")

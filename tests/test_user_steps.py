@@ -108,3 +108,29 @@ def test_user_step_is_covered_and_costed(make):
     cost = jax.jit(step).lower(*args).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     assert report["flops"] == pytest.approx(cost["flops"], rel=0.10)
+
+
+def test_bert_base_sized_user_step_plans_on_the_hap_cluster():
+    """A BERT-base-sized linen model (abstract: nothing allocated) plans on HAP's cluster
+    at least as fast as both data-parallel baselines. (Its wall time is a benchmark figure:
+    see the README.)"""
+    model = TiedLM(vocab=30522, d=768, heads=12, layers=12)
+    tokens = jax.ShapeDtypeStruct((32 * 64, 129), jnp.int32)
+    params = jax.eval_shape(model.init, jax.random.key(1),
+                            jax.ShapeDtypeStruct((32 * 64, 128), jnp.int32))
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4, weight_decay=0.1))
+
+    def step(params, opt_state, tokens):
+        def loss_fn(p):
+            logits = model.apply(p, tokens[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    opt_state = jax.eval_shape(tx.init, params)
+    plan = hs.parallelize(step, cluster="hap-v100x16-p100x48").plan(params, opt_state, tokens)
+    assert plan.predicted_step_time <= min(plan.baselines["DP-EV"], plan.baselines["DP-CP"])
+    assert plan.predicted_step_time >= plan.baselines["ideal"]
+    assert plan.unsupported == {}

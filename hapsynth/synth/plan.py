@@ -81,7 +81,10 @@ class Plan:
         lines = [f"plan on {self.cluster} ({self.chosen}): predicted step {self.predicted_step_time:.4g} s",
                  "  shares:      " + ", ".join(f"{k} {v:.3f}" for k, v in self.ratios.items()),
                  f"  breakdown:   compute {b['compute']:.4g} s, inline comm {b['inline_comm']:.4g} s, "
-                 f"gradient sync {b['deferred_comm']:.4g} s of which exposed {b['exposed_comm']:.4g} s"]
+                 f"gradient sync {b['deferred_comm']:.4g} s of which exposed {b['exposed_comm']:.4g} s",
+                 "  per class:   " + ", ".join(
+                     f"{k} busy {v:.4g} s idle {b['idle_per_class'][k]:.4g} s"
+                     for k, v in b["compute_per_class"].items())]
         base = self.baselines
         cap = min(m["capacity"] for m in self.memory.values())
         fit = {k: "" if v <= cap else f", needs {v / 2**30:.1f} GiB: does not fit"

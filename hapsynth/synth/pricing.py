@@ -114,25 +114,28 @@ class Pricer:
         return self._units[size]
 
     def op_time(self, op, choice) -> float:
+        """Time of the op: its slowest class (devices wait for each other at collectives)."""
+        return max(self.class_times(op, choice))
+
+    def class_times(self, op, choice) -> tuple[float, ...]:
+        """Per class, the busiest device's compute time for this op."""
         size = None if choice.factor is None else op.rule.factors[choice.factor].size
         key = (op.cost, size)
         if key not in self._op:
-            self._op[key] = self._op_time(op, size)
+            self._op[key] = self._class_times(op, size)
         return self._op[key]
 
-    def _op_time(self, op, size) -> float:
+    def _class_times(self, op, size) -> tuple[float, ...]:
         if size is None:
-            return max(costmodel.compute_time(op.cost, c) for c in self.cluster.classes)
+            return tuple(costmodel.compute_time(op.cost, c) for c in self.cluster.classes)
         u = self.units(size)
-        worst = 0.0
+        out = []
         for c, cls in enumerate(self.cluster.classes):
-            mx = max(u[i] for i in range(len(u)) if self.dev_class[i] == c)
-            if mx:
-                frac = mx / size
-                scaled = type(op.cost)(op.cost.flops * frac, op.cost.transcendentals * frac,
-                                       op.cost.bytes * frac)
-                worst = max(worst, costmodel.compute_time(scaled, cls))
-        return worst
+            frac = max(u[i] for i in range(len(u)) if self.dev_class[i] == c) / size
+            scaled = type(op.cost)(op.cost.flops * frac, op.cost.transcendentals * frac,
+                                   op.cost.bytes * frac)
+            out.append(costmodel.compute_time(scaled, cls))
+        return tuple(out)
 
     def sizes(self, layout, nbytes: float):
         if isinstance(layout, tuple):

@@ -252,7 +252,7 @@ def local_search(st, tables, assign, capacity, ties=None, budget: int = 200,
 
 
 def synthesize(graph: Graph, cluster: Cluster, *, num_state_leaves: int, data_inputs,
-               time_limit: float = 10.0, workers: int = 2, seed: int = 0, max_rounds: int = 3,
+               time_limit: float = 10.0, workers: int = 2, seed: int = 0, max_rounds: int = 2,
                share_layers: bool = True, max_classes: int = 3) -> Plan:
     t0 = time.perf_counter()
     uf = link_factors(graph)
@@ -296,8 +296,11 @@ def synthesize(graph: Graph, cluster: Cluster, *, num_state_leaves: int, data_in
     stats, rounds, solve_wall = None, 0, 0.0
     candidates = share_candidates(cluster)
     for rounds in range(1, max_rounds + 1):
-        a, stats = solve(tables, assign, time_limit=0.06 * time_limit, workers=workers,
-                         wall_limit=0.25 * time_limit,
+        if rounds > 1 and time.perf_counter() - t0 > 0.5 * time_limit:
+            rounds -= 1
+            break  # the wall-clock budget is what users asked for
+        a, stats = solve(tables, assign, time_limit=0.3 * time_limit / rounds, workers=workers,
+                         wall_limit=0.35 * time_limit / rounds,
                          seed=seed, ties=ties, memory=(capacity, memory_rows(st, tables, assign)))
         solve_wall += stats.wall
         a = local_search(st, tables, a, capacity, ties, budget=int(15 * time_limit),
@@ -342,9 +345,12 @@ def _make_plan(graph, cluster, st, tables, assign, shares, baselines, baseline_m
                solver) -> Plan:
     ev = evaluate(tables, assign)
     op_factors = [-1] * len(graph.ops)
+    busy = [0.0] * len(cluster.classes)
     for n, s in enumerate(assign):
         for op_id, ch in st.strategies[n][s].choices:
             op_factors[op_id] = -1 if ch.factor is None else ch.factor
+            for c, t in enumerate(tables.pricer.class_times(graph.ops[op_id], ch)):
+                busy[c] += t
     convs = []
     for e in tables.edges:
         lay = e.layouts[assign[e.src]]
@@ -358,7 +364,9 @@ def _make_plan(graph, cluster, st, tables, assign, shares, baselines, baseline_m
         cluster=cluster.name, classes=tuple(c.name for c in cluster.classes),
         ratios={c.name: float(s) for c, s in zip(cluster.classes, shares)},
         predicted_step_time=ev["step"],
-        breakdown={k: ev[k] for k in ("compute", "inline_comm", "deferred_comm", "exposed_comm")},
+        breakdown={**{k: ev[k] for k in ("compute", "inline_comm", "deferred_comm", "exposed_comm")},
+                   "compute_per_class": {c.name: b for c, b in zip(cluster.classes, busy)},
+                   "idle_per_class": {c.name: ev["step"] - b for c, b in zip(cluster.classes, busy)}},
         baselines=baselines,
         baseline_memory={k: int(v) for k, v in baseline_memory.items()},
         memory={c.name: {"need": int(need), "capacity": int(c.memory)} for c in cluster.classes},
