@@ -31,6 +31,17 @@ def test_plan_is_never_slower_than_data_parallel_nor_faster_than_ideal(gpt_plan)
         assert len(per_device) == 8 and sum(per_device) == units
 
 
+def test_plan_layouts_and_conversions_agree(gpt_plan):
+    p = gpt_plan
+    assert p.conversions, "a heterogeneous data-parallel step must sync gradients"
+    for c in p.conversions:
+        assert p.tensor_layouts[c.tensor] == c.src != c.dst
+        assert c.seconds > 0 and c.collective in ("all_gather", "all_reduce", "reduce_scatter",
+                                                  "all_to_all")
+    sharded = [lay for lay in p.tensor_layouts if lay.startswith("S")]
+    assert sharded and all(int(lay.split("/")[1]) in p.shard_units for lay in sharded)
+
+
 def test_plan_json_round_trips_exactly(gpt_plan):
     text = gpt_plan.to_json()
     again = hs.Plan.from_json(text)

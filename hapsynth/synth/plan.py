@@ -39,6 +39,7 @@ class Plan:
     solver: dict                      # status, gap, objective, bound, wall, rounds, ...
     strategies: tuple[int, ...]       # strategy index per node
     op_factors: tuple[int, ...]       # sharded factor per op (-1: replicated)
+    tensor_layouts: tuple[str, ...]   # layout of every tensor as produced ("R" for inputs)
     conversions: tuple[Conversion, ...]
     shard_units: dict                 # {units: per-device units}
     signature: str                    # fingerprint of the IR the plan was made for
@@ -57,6 +58,7 @@ class Plan:
         d["classes"] = tuple(d["classes"])
         d["strategies"] = tuple(d["strategies"])
         d["op_factors"] = tuple(d["op_factors"])
+        d["tensor_layouts"] = tuple(d["tensor_layouts"])
         d["conversions"] = tuple(Conversion(**c) for c in d["conversions"])
         d["shard_units"] = {int(k): tuple(v) for k, v in d["shard_units"].items()}
         names = {f.name for f in fields(cls)}
