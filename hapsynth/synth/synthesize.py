@@ -55,11 +55,7 @@ def share_candidates(cluster: Cluster) -> list[tuple[float, ...]]:
 
 def preferred(tables, classes) -> list[int]:
     """Each node shards the first class of `classes` it holds, else replicates."""
-    out = []
-    for strats in tables.strategies:
-        ks = [s.klass for s in strats]
-        out.append(next((ks.index(c) for c in classes if c in ks), 0))
-    return out
+    return switch_classes(tables, [0] * len(tables.strategies), classes)
 
 
 def state_classes(graph, uf, num_state_leaves: int, fraction: float = 0.25) -> list[list]:
