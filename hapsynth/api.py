@@ -7,6 +7,8 @@ import jax
 
 from hapsynth.ir import inspect as _inspect
 from hapsynth.ir import lift
+from hapsynth.lower.program import Lowered
+from hapsynth.lower.values import Sharded
 from hapsynth.synth.cluster import Cluster
 from hapsynth.synth.plan import Plan
 from hapsynth.synth.synthesize import synthesize
@@ -18,7 +20,13 @@ def inspect(train_step, *example_args) -> dict:
 
 
 def _abstract(x):
+    if isinstance(x, Sharded):
+        return jax.ShapeDtypeStruct(x.shape, x.data.dtype)
     return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def _abstract_tree(args):
+    return jax.tree.map(_abstract, args, is_leaf=lambda v: isinstance(v, Sharded))
 
 
 def signature_of(args) -> tuple:
@@ -50,24 +58,30 @@ class Parallelized:
         self.donate_argnums = donate_argnums
         self.options = {"time_limit": time_limit, "seed": seed, "workers": workers}
         self._plans: dict = {}
+        self._programs: dict = {}
+        self._lowered: dict = {}
         functools.update_wrapper(self, train_step)
 
     def plan(self, *args) -> Plan:
         """The plan for these arguments (arrays or `jax.ShapeDtypeStruct`s); no devices needed."""
-        args = jax.tree.map(_abstract, args)
+        args = _abstract_tree(args)
         key = signature_of(args)
         if key not in self._plans:
             k = state_arity(self.train_step, args)
             nstate = len(jax.tree.leaves(args[:k]))
-            _, graph = lift(self.train_step, *args)
+            prog, graph = lift(self.train_step, *args)
+            self._programs[key] = prog
             self._plans[key] = synthesize(graph, self.cluster, num_state_leaves=nstate,
                                           data_inputs=graph.inputs[nstate:], **self.options)
         return self._plans[key]
 
     def __call__(self, *args):
-        raise NotImplementedError(
-            "running a parallelized step needs the lowering stage (hapsynth/lower/), which is "
-            "not built yet; use .plan(*args) to synthesise and inspect the plan")
+        """Run one distributed step; arguments may be global arrays or previous outputs."""
+        key = signature_of(_abstract_tree(args))
+        if key not in self._lowered:
+            plan = self.plan(*args)
+            self._lowered[key] = Lowered(self._programs[key], plan, self.cluster.jax_devices())
+        return self._lowered[key](*args)
 
 
 def parallelize(train_step=None, *, cluster, donate_argnums=(), **options):

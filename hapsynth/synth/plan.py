@@ -40,9 +40,11 @@ class Plan:
     strategies: tuple[int, ...]       # strategy index per node
     op_factors: tuple[int, ...]       # sharded factor per op (-1: replicated)
     tensor_layouts: tuple[str, ...]   # layout of every tensor as produced ("R" for inputs)
+    op_inputs: tuple[tuple, ...]      # per op, the layout each operand must arrive in (None: literal)
     conversions: tuple[Conversion, ...]
     shard_units: dict                 # {units: per-device units}
     signature: str                    # fingerprint of the IR the plan was made for
+    state_leaves: int = 0             # leading input leaves fed back from the outputs
     unsupported: dict = None          # primitives planned replicated for lack of a rule
     chosen: str = "synthesized"       # or "DP-CP"/"DP-EV" when a baseline was already best
 
@@ -59,6 +61,7 @@ class Plan:
         d["strategies"] = tuple(d["strategies"])
         d["op_factors"] = tuple(d["op_factors"])
         d["tensor_layouts"] = tuple(d["tensor_layouts"])
+        d["op_inputs"] = tuple(tuple(x) for x in d["op_inputs"])
         d["conversions"] = tuple(Conversion(**c) for c in d["conversions"])
         d["shard_units"] = {int(k): tuple(v) for k, v in d["shard_units"].items()}
         names = {f.name for f in fields(cls)}

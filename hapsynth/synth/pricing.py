@@ -176,6 +176,7 @@ class Structure:
     producer_node: dict
     tail_start: int
     pairs: dict          # state input tensor -> state output tensor
+    num_state_leaves: int = 0
 
 
 def build_structure(graph: Graph, *, num_state_leaves: int = 0, max_classes: int = 3,
@@ -204,7 +205,7 @@ def build_structure(graph: Graph, *, num_state_leaves: int = 0, max_classes: int
     for t in graph.outputs:  # outputs the user reads (not state) must end replicated
         if t is not None and t not in state_outs and t in producer_node:
             needs.setdefault((t, R), {"consumers": {}, "ops": set()})["consumers"][-1] = {0}
-    return Structure(graph, strategies, needs, producer_node, tail_start, pairs)
+    return Structure(graph, strategies, needs, producer_node, tail_start, pairs, num_state_leaves)
 
 
 def price(st: Structure, cluster: Cluster, class_shares, only: list[int] | None = None) -> Tables:

@@ -343,11 +343,13 @@ def _make_plan(graph, cluster, st, tables, assign, shares, baselines, baseline_m
     op_factors = [-1] * len(graph.ops)
     busy = [0.0] * len(cluster.classes)
     layouts = ["R"] * len(graph.tensors)
+    op_inputs = [()] * len(graph.ops)
     for n, s in enumerate(assign):
         for t, lay in st.strategies[n][s].layouts.items():
             layouts[t] = layout_str(lay)
         for op_id, ch in st.strategies[n][s].choices:
             op_factors[op_id] = -1 if ch.factor is None else ch.factor
+            op_inputs[op_id] = tuple(None if x is None else layout_str(x) for x in ch.inputs)
             for c, t in enumerate(tables.pricer.class_times(graph.ops[op_id], ch)):
                 busy[c] += t
     convs = []
@@ -370,6 +372,7 @@ def _make_plan(graph, cluster, st, tables, assign, shares, baselines, baseline_m
         baseline_memory={k: int(v) for k, v in baseline_memory.items()},
         memory={c.name: {"need": int(need), "capacity": int(c.memory)} for c in cluster.classes},
         solver=solver, strategies=tuple(assign), op_factors=tuple(op_factors),
-        tensor_layouts=tuple(layouts),
+        tensor_layouts=tuple(layouts), op_inputs=tuple(op_inputs),
         conversions=tuple(convs), shard_units={int(k): tuple(v) for k, v in tables.units.items()},
-        signature=graph_signature(graph), unsupported=dict(graph.unsupported), chosen=chosen)
+        signature=graph_signature(graph), unsupported=dict(graph.unsupported), chosen=chosen,
+        state_leaves=st.num_state_leaves)

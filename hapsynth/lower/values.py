@@ -1,0 +1,117 @@
+"""Distributed values: how a layout is stored across devices, and `shard` / `gather`.
+
+Storage on the 1-D mesh axis "d" of k devices (DESIGN.md's lowering technique):
+- `R`: the whole array on every device;
+- `P`: a partial sum per device, stored stacked as a global `[k, *shape]` array;
+- `S<dim>/<units>`: device i holds `rows[i]` rows of `dim`, padded to `M = max(rows)`;
+  globally a `[.., k*M, ..]` array sharded evenly on `dim`, which JAX accepts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as PS
+
+AXIS = "d"
+
+
+@dataclass(frozen=True)
+class Layout:
+    kind: str                 # "R" | "P" | "S"
+    dim: int = -1
+    units: int = 0
+
+    @staticmethod
+    def parse(text: str) -> "Layout":
+        if text in ("R", "P"):
+            return Layout(text)
+        d, u = text[1:].split("/")
+        return Layout("S", int(d), int(u))
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Per-device rows of an S layout on a tensor of `shape`."""
+
+    rows: tuple[int, ...]
+    offsets: tuple[int, ...]
+    pad: int                  # M: rows every device stores
+
+    @staticmethod
+    def of(layout: Layout, shape, shard_units) -> "Geometry":
+        scale = shape[layout.dim] // layout.units
+        rows = tuple(u * scale for u in shard_units[layout.units])
+        offsets = tuple(int(x) for x in np.concatenate([[0], np.cumsum(rows)[:-1]]))
+        return Geometry(rows, offsets, max(rows))
+
+    def compact_index(self) -> np.ndarray:
+        """Positions of the valid rows in the gathered `k*M` buffer, in global order."""
+        return np.concatenate([np.arange(i * self.pad, i * self.pad + r)
+                               for i, r in enumerate(self.rows)]).astype(np.int32)
+
+
+@jax.tree_util.register_pytree_node_class
+class Sharded:
+    """A global array stored in a plan's layout (what a parallelized step returns)."""
+
+    def __init__(self, data, layout: str, shape, units: tuple | None):
+        self.data, self.layout, self.shape, self.units = data, layout, tuple(shape), units
+
+    def tree_flatten(self):
+        return (self.data,), (self.layout, self.shape, self.units)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(children[0], *aux)
+
+    def __repr__(self):
+        return f"Sharded({self.layout}, shape={self.shape})"
+
+
+def spec(layout: Layout, ndim: int) -> PS:
+    if layout.kind == "R":
+        return PS()
+    if layout.kind == "P":
+        return PS(AXIS)
+    return PS(*([None] * layout.dim + [AXIS]))
+
+
+def shard_array(x, layout: Layout, shard_units, mesh) -> jax.Array:
+    """Global array `x` -> the stored form of `layout` on `mesh`."""
+    x = jnp.asarray(x)
+    k = mesh.devices.size
+    if layout.kind == "R":
+        return jax.device_put(x, NamedSharding(mesh, PS()))
+    if layout.kind == "P":
+        stacked = jnp.concatenate([x[None], jnp.zeros((k - 1, *x.shape), x.dtype)])
+        return jax.device_put(stacked, NamedSharding(mesh, PS(AXIS)))
+    g = Geometry.of(layout, x.shape, shard_units)
+    blocks = []
+    for i in range(k):
+        part = jax.lax.slice_in_dim(x, g.offsets[i], g.offsets[i] + g.rows[i], axis=layout.dim)
+        pad = [(0, 0)] * x.ndim
+        pad[layout.dim] = (0, g.pad - g.rows[i])
+        blocks.append(jnp.pad(part, pad))
+    return jax.device_put(jnp.concatenate(blocks, axis=layout.dim),
+                          NamedSharding(mesh, spec(layout, x.ndim)))
+
+
+def unshard(value: Sharded):
+    """The plain global array a `Sharded` value stands for."""
+    layout = Layout.parse(value.layout)
+    if layout.kind == "R":
+        return value.data
+    if layout.kind == "P":
+        return jnp.sum(value.data, axis=0)
+    g = Geometry.of(layout, value.shape, dict([(layout.units, value.units)]))
+    return jnp.take(value.data, g.compact_index(), axis=layout.dim)
+
+
+def gather(tree):
+    """Replace every `Sharded` leaf by the plain array it stands for."""
+    return jax.tree.map(lambda v: unshard(v) if isinstance(v, Sharded) else v, tree,
+                        is_leaf=lambda v: isinstance(v, Sharded))
