@@ -181,6 +181,11 @@ class Lowered:
                 x = unshard(x)
             flat.append(shard_array(x, lay, self.units, self.mesh))
         outs = self._fn(*flat)
+        if self.mesh.devices.flat[0].platform == "cpu":
+            # XLA CPU runs collectives in-process: another program dispatched to these
+            # devices while one is mid-collective can starve it (seen as a rendezvous
+            # timeout), so on CPU a step finishes before the caller continues.
+            jax.block_until_ready(outs)
         wrapped = []
         for o, lay, aval in zip(outs, self.out_layouts, self._out_avals()):
             if lay.kind == "R" and len(wrapped) >= self.plan.state_leaves:
