@@ -45,6 +45,7 @@ class Lowered:
         self.out_layouts = [
             Layout.parse(plan.tensor_layouts[o]) if i < n_state and isinstance(o, int) else Layout("R")
             for i, o in enumerate(outs)]
+        self.segments = self._segments()
         in_specs = tuple(spec(l, 0) for l in self.in_layouts)
         out_specs = tuple(spec(l, 0) for l in self.out_layouts)
         self._fn = jax.jit(jax.shard_map(self._body, mesh=self.mesh, in_specs=in_specs,
@@ -87,44 +88,75 @@ class Lowered:
             return lax.slice_in_dim(z, 0, shape[src.dim], axis=src.dim)
         raise NotImplementedError(f"conversion {src} -> {dst}")
 
-    def _sharded_op(self, eqn, op_id, vals, needs):
-        """Run one sharded op in a switch over device groups."""
-        out_layouts = [Layout.parse(self.plan.tensor_layouts[t]) for t in eqn.outputs]
+    def _segments(self) -> list[list[int]]:
+        """Cut the program where an operand made inside the current run needs converting.
 
-        def branch(g):
-            dev = self.group_rep[g]
+        Conversions of values made earlier are hoisted before the segment, so each
+        segment is one switch with every collective outside it."""
+        prog, plan = self.prog, self.plan
+        segments, current, made = [], [], set()
+        for op_id, eqn in enumerate(prog.eqns):
+            cut = False
+            for x, need in zip(eqn.inputs, plan.op_inputs[op_id]):
+                if isinstance(x, int) and x in made and need is not None \
+                        and Layout.parse(plan.tensor_layouts[x]) != Layout.parse(need):
+                    cut = True
+            if cut and current:
+                segments.append(current)
+                current, made = [], set()
+            current.append(op_id)
+            made.update(eqn.outputs)
+        if current:
+            segments.append(current)
+        return segments
 
-            def run(*xs):
-                local = []
-                for x, need, aval in zip(xs, needs, eqn.in_avals):
-                    if need is not None and need.kind == "S":
-                        rows = Geometry.of(need, aval.shape, self.units).rows[dev]
-                        x = lax.slice_in_dim(x, 0, rows, axis=need.dim)
-                    local.append(x)
-                out_shapes = []
-                for lay, aval in zip(out_layouts, eqn.out_avals):
+    def _run_segment(self, seg, ext, dev):
+        """Evaluate a segment's ops for the devices of `dev`'s group (None: full size).
+
+        `ext` maps (tensor, layout) of operands made before the segment to stored values;
+        returns every produced tensor, S-layout ones padded back to their stored size."""
+        prog, plan = self.prog, self.plan
+        local = {}
+
+        def fetch(x, need):
+            if isinstance(x, Const):
+                return x.value
+            if x in local:
+                return local[x]
+            v = ext[(x, need)]
+            if dev is not None and need.kind == "S":
+                rows = Geometry.of(need, prog.avals[x].shape, self.units).rows[dev]
+                v = lax.slice_in_dim(v, 0, rows, axis=need.dim)
+            return v
+
+        for op_id in seg:
+            eqn = prog.eqns[op_id]
+            needs = [None if n is None else Layout.parse(n) for n in plan.op_inputs[op_id]]
+            vals = [fetch(x, n) for x, n in zip(eqn.inputs, needs)]
+            out_lays = [Layout.parse(plan.tensor_layouts[t]) for t in eqn.outputs]
+            params = eqn.params
+            if plan.op_factors[op_id] >= 0 and dev is not None:
+                shapes = []
+                for lay, aval in zip(out_lays, eqn.out_avals):
                     shape = list(aval.shape)
                     if lay.kind == "S":
                         shape[lay.dim] = Geometry.of(lay, aval.shape, self.units).rows[dev]
-                    out_shapes.append(shape)
-                params = local_params(eqn, [np.shape(x) for x in local], out_shapes)
-                outs = _jax.bind(eqn.primitive, local, params)
-                outs = list(outs) if eqn.primitive.multiple_results else [outs]
-                padded = []
-                for o, lay, aval in zip(outs, out_layouts, eqn.out_avals):
-                    if lay.kind == "S":
-                        m = Geometry.of(lay, aval.shape, self.units).pad
-                        pad = [(0, 0)] * o.ndim
-                        pad[lay.dim] = (0, m - o.shape[lay.dim])
-                        o = jnp.pad(o, pad)
-                    padded.append(o)
-                return tuple(padded)
-            return run
-
-        group = jnp.asarray(self.group_of)[lax.axis_index(AXIS)]
-        branches = [branch(g) for g in range(len(self.group_rep))]
-        outs = branches[0](*vals) if len(branches) == 1 else lax.switch(group, branches, *vals)
-        return list(outs), out_layouts
+                    shapes.append(shape)
+                params = local_params(eqn, [np.shape(v) for v in vals], shapes)
+            outs = _jax.bind(eqn.primitive, vals, params)
+            outs = list(outs) if eqn.primitive.multiple_results else [outs]
+            local.update(zip(eqn.outputs, outs))
+        result = []
+        for op_id in seg:
+            for t in prog.eqns[op_id].outputs:
+                v, lay = local[t], Layout.parse(plan.tensor_layouts[t])
+                if lay.kind == "S" and dev is not None:
+                    pad = [(0, 0)] * v.ndim
+                    pad[lay.dim] = (0, Geometry.of(lay, prog.avals[t].shape, self.units).pad
+                                    - v.shape[lay.dim])
+                    v = jnp.pad(v, pad)
+                result.append(v)
+        return result
 
     def _body(self, *flat):
         prog, plan = self.prog, self.plan
@@ -134,26 +166,33 @@ class Lowered:
         for t, v in prog.consts.items():
             env[t] = (v, Layout("R"))
         converted = {}
-        for op_id, eqn in enumerate(prog.eqns):
-            needs = [None if n is None else Layout.parse(n) for n in plan.op_inputs[op_id]]
-            vals = []
-            for x, need, aval in zip(eqn.inputs, needs, eqn.in_avals):
-                if isinstance(x, Const):
-                    vals.append(x.value)
-                    continue
-                key = (x, need)
+        group = jnp.asarray(self.group_of)[lax.axis_index(AXIS)]
+        for seg in self.segments:
+            made = {t for op_id in seg for t in prog.eqns[op_id].outputs}
+            keys = []
+            for op_id in seg:
+                eqn = prog.eqns[op_id]
+                for x, n in zip(eqn.inputs, plan.op_inputs[op_id]):
+                    if isinstance(x, int) and x not in made:
+                        keys.append((x, Layout.parse(n)))
+            keys = list(dict.fromkeys(keys))
+            for key in keys:
                 if key not in converted:
-                    v, lay = env[x]
-                    converted[key] = self._convert(v, lay, need, aval.shape)
-                vals.append(converted[key])
-            if plan.op_factors[op_id] >= 0:
-                outs, lays = self._sharded_op(eqn, op_id, vals, needs)
+                    v, lay = env[key[0]]
+                    converted[key] = self._convert(v, lay, key[1], prog.avals[key[0]].shape)
+            args = [converted[k] for k in keys]
+            sharded = any(plan.op_factors[o] >= 0 for o in seg) and len(self.group_rep) > 1
+
+            def branch(dev):
+                return lambda *a: tuple(self._run_segment(seg, dict(zip(keys, a)), dev))
+
+            if sharded:
+                outs = lax.switch(group, [branch(d) for d in self.group_rep], *args)
             else:
-                outs = _jax.bind(eqn.primitive, vals, eqn.params)
-                outs = list(outs) if eqn.primitive.multiple_results else [outs]
-                lays = [Layout.parse(plan.tensor_layouts[t]) for t in eqn.outputs]
-            for t, o, lay in zip(eqn.outputs, outs, lays):
-                env[t] = (o, lay)
+                outs = branch(self.group_rep[0])(*args)
+            produced = [t for op_id in seg for t in prog.eqns[op_id].outputs]
+            for t, o in zip(produced, outs):
+                env[t] = (o, Layout.parse(plan.tensor_layouts[t]))
         results = []
         for o, want, aval in zip(prog.outputs, self.out_layouts, self._out_avals()):
             if isinstance(o, Const):
