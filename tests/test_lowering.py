@@ -104,3 +104,33 @@ def test_changed_argument_shape_replans_or_names_the_leaf():
     out = par(params, opt, smaller)
     compare(hs.gather(out), jax.jit(step)(params, opt, smaller))
     assert len(par._plans) == 2
+
+
+UNITS = {12: (5, 3, 1, 0, 1, 1, 1, 0), 10: (0, 2, 2, 1, 1, 1, 1, 2)}
+CONVERSIONS = [("S0/12", "R", "padded"), ("S0/12", "R", "grouped"), ("P", "R", None),
+               ("P", "S1/10", "padded"), ("P", "S1/10", "grouped"), ("S0/12", "S1/10", "padded"),
+               ("R", "S1/10", None), ("R", "P", None), ("S1/10", "P", None), ("S1/10", "S0/12", None)]
+
+
+@pytest.mark.parametrize("src,dst,form", CONVERSIONS)
+def test_each_collective_form_on_uneven_shards(src, dst, form):
+    """Every conversion the lowering emits, on shards [5,3,1,0,...] / [0,2,2,1,...]."""
+    from hapsynth.lower.program import Lowered
+    from hapsynth.lower.values import spec, unshard
+
+    x = np.arange(120, dtype=np.float32).reshape(12, 10) / 7 - 3
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:8]), ("d",))
+    low = Lowered.__new__(Lowered)  # just the conversion machinery
+    low.k, low.units, low.mesh = 8, UNITS, mesh
+    s, d = Layout.parse(src), Layout.parse(dst)
+    stored = shard_array(x, s, UNITS, mesh)
+
+    def body(v):
+        v = v[0] if s.kind == "P" else v
+        out = low._convert(v, s, d, x.shape, form)
+        return out[None] if d.kind == "P" else out
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec(s, 2), out_specs=spec(d, 2),
+                              check_vma=False))
+    got = unshard(Sharded(f(stored), dst, x.shape, UNITS.get(d.units)))
+    np.testing.assert_allclose(np.asarray(got), x, rtol=1e-6, atol=1e-6)

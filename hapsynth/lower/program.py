@@ -46,6 +46,13 @@ class Lowered:
             Layout.parse(plan.tensor_layouts[o]) if i < n_state and isinstance(o, int) else Layout("R")
             for i, o in enumerate(outs)]
         self.segments = self._segments()
+        # the collective form the plan priced, per (tensor, target layout)
+        self.forms = {(c.tensor, Layout.parse(c.dst)): c.form for c in plan.conversions}
+        for i in range(plan.state_leaves):  # a state input is converted like its update
+            out = prog.outputs[i]
+            for (t, dst), form in list(self.forms.items()):
+                if t == out:
+                    self.forms[(prog.inputs[i], dst)] = form
         in_specs = tuple(spec(l, 0) for l in self.in_layouts)
         out_specs = tuple(spec(l, 0) for l in self.out_layouts)
         self._fn = jax.jit(jax.shard_map(self._body, mesh=self.mesh, in_specs=in_specs,
@@ -55,11 +62,29 @@ class Lowered:
     def _geom(self, layout: Layout, shape) -> Geometry:
         return Geometry.of(layout, shape, self.units)
 
-    def _convert(self, v, src: Layout, dst: Layout, shape):
-        if src == dst or dst.kind == "R" and src.kind == "R":
+    def _to_rows(self, v, geom: Geometry, dim: int, rows_full: int):
+        """Lay the full dim out as k blocks of `geom.pad` rows (device i's rows, then zeros)."""
+        idx = np.full((self.k, geom.pad), rows_full, np.int32)  # index rows_full = a zero row
+        for i, (o, r) in enumerate(zip(geom.offsets, geom.rows)):
+            idx[i, :r] = np.arange(o, o + r)
+        pad = [(0, 0)] * v.ndim
+        pad[dim] = (0, 1)
+        return jnp.take(jnp.pad(v, pad), jnp.asarray(idx.reshape(-1)), axis=dim)
+
+    def _convert(self, v, src: Layout, dst: Layout, shape, form: str | None = None):
+        """Change layout outside any branch, with the collective form the plan chose."""
+        if src == dst:
             return v
         idx = lax.axis_index(AXIS)
-        if src.kind == "S" and dst.kind != "P":  # to R first (S->S reshards through R)
+        if src.kind == "S" and dst.kind == "S" and src.dim != dst.dim:
+            return self._all_to_all(v, src, dst, shape)
+        if src.kind == "S" and dst.kind == "R" and form == "grouped":
+            return lax.psum(self._convert(v, src, Layout("P"), shape), AXIS)  # masked psum
+        if src.kind == "P" and dst.kind == "S" and form == "padded":
+            g = self._geom(dst, shape)
+            blocks = self._to_rows(v, g, dst.dim, shape[dst.dim])
+            return lax.psum_scatter(blocks, AXIS, scatter_dimension=dst.dim, tiled=True)
+        if src.kind == "S" and dst.kind != "P":  # padded all-gather, then drop the padding
             g = self._geom(src, shape)
             full = lax.all_gather(v, AXIS, axis=src.dim, tiled=True)
             v = jnp.take(full, jnp.asarray(g.compact_index()), axis=src.dim)
@@ -87,6 +112,14 @@ class Lowered:
                                                 jnp.asarray(g.offsets, jnp.int32)[idx], src.dim)
             return lax.slice_in_dim(z, 0, shape[src.dim], axis=src.dim)
         raise NotImplementedError(f"conversion {src} -> {dst}")
+
+    def _all_to_all(self, v, src: Layout, dst: Layout, shape):
+        """S(a) -> S(b): padded all-to-all; each device sends block j of its rows to j."""
+        gs, gd = self._geom(src, shape), self._geom(dst, shape)
+        blocks = self._to_rows(v, gd, dst.dim, shape[dst.dim])       # b: k * M_dst
+        moved = lax.all_to_all(blocks, AXIS, split_axis=dst.dim, concat_axis=src.dim,
+                               tiled=True)                            # a: k * M_src
+        return jnp.take(moved, jnp.asarray(gs.compact_index()), axis=src.dim)
 
     def _segments(self) -> list[list[int]]:
         """Cut the program where an operand made inside the current run needs converting.
@@ -179,7 +212,8 @@ class Lowered:
             for key in keys:
                 if key not in converted:
                     v, lay = env[key[0]]
-                    converted[key] = self._convert(v, lay, key[1], prog.avals[key[0]].shape)
+                    converted[key] = self._convert(v, lay, key[1], prog.avals[key[0]].shape,
+                                                   self.forms.get((key[0], key[1])))
             args = [converted[k] for k in keys]
             sharded = any(plan.op_factors[o] >= 0 for o in seg) and len(self.group_rep) > 1
 
