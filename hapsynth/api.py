@@ -30,9 +30,11 @@ def _abstract_tree(args):
 
 
 def signature_of(args) -> tuple:
-    """What a plan depends on: the pytree structure, shapes and dtypes of the arguments."""
-    leaves, tree = jax.tree.flatten(args)
-    return tree, tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
+    """What a plan depends on: the pytree structure, shapes and dtypes of the arguments
+    (a `Sharded` leaf counts as the array it stands for). Cheap: called every step."""
+    leaves, tree = jax.tree.flatten(args, is_leaf=lambda v: isinstance(v, Sharded))
+    return tree, tuple((tuple(x.shape), str(x.data.dtype if isinstance(x, Sharded) else x.dtype))
+                       for x in leaves)
 
 
 def state_arity(train_step, args) -> int:
@@ -52,11 +54,12 @@ class Parallelized:
     """A train step bound to a cluster: `.plan(*args)` synthesises (cached per signature)."""
 
     def __init__(self, train_step, cluster: Cluster, *, donate_argnums=(), time_limit: float = 10.0,
-                 seed: int = 0, workers: int = 2):
+                 seed: int = 0, workers: int = 2, strategy: str = "auto"):
         self.train_step = train_step
         self.cluster = cluster if isinstance(cluster, Cluster) else Cluster.load(cluster)
         self.donate_argnums = donate_argnums
-        self.options = {"time_limit": time_limit, "seed": seed, "workers": workers}
+        self.options = {"time_limit": time_limit, "seed": seed, "workers": workers,
+                        "strategy": strategy}
         self._plans: dict = {}
         self._programs: dict = {}
         self._lowered: dict = {}
@@ -64,9 +67,9 @@ class Parallelized:
 
     def plan(self, *args) -> Plan:
         """The plan for these arguments (arrays or `jax.ShapeDtypeStruct`s); no devices needed."""
-        args = _abstract_tree(args)
         key = signature_of(args)
         if key not in self._plans:
+            args = _abstract_tree(args)
             k = state_arity(self.train_step, args)
             nstate = len(jax.tree.leaves(args[:k]))
             prog, graph = lift(self.train_step, *args)
@@ -75,13 +78,22 @@ class Parallelized:
                                           data_inputs=graph.inputs[nstate:], **self.options)
         return self._plans[key]
 
-    def __call__(self, *args):
-        """Run one distributed step; arguments may be global arrays or previous outputs."""
-        key = signature_of(_abstract_tree(args))
+    def lowered(self, *args) -> Lowered:
+        """The compiled program for these arguments' signature (planned on first use)."""
+        key = signature_of(args)
         if key not in self._lowered:
             plan = self.plan(*args)
             self._lowered[key] = Lowered(self._programs[key], plan, self.cluster.jax_devices())
-        return self._lowered[key](*args)
+        return self._lowered[key]
+
+    def shard(self, *args):
+        """`args` stored as the step reads them: each device gets only its own rows of a
+        sharded batch. Returns the same pytree with `hs.Sharded` leaves."""
+        return self.lowered(*args).shard(*args)
+
+    def __call__(self, *args):
+        """Run one distributed step; arguments may be global arrays or previous outputs."""
+        return self.lowered(*args)(*args)
 
 
 def parallelize(train_step=None, *, cluster, donate_argnums=(), **options):

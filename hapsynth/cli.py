@@ -68,6 +68,12 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from hapsynth import bench
+
+    return bench.main(args.kind, args.model, args.config, args.reps)
+
+
 def cmd_demo(args) -> int:
     from hapsynth import demo
 
@@ -96,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.add_argument("--out", help="also write the plan's JSON to this file")
     pl.set_defaults(func=cmd_plan)
+    be = sub.add_parser("bench", help="benchmarks measured side by side (see hapsynth/bench.py)")
+    be.add_argument("kind", choices=["overhead"])
+    be.add_argument("--model", default="gpt", choices=names())
+    be.add_argument("--config", default="tiny", choices=list(CONFIG_NAMES))
+    be.add_argument("--reps", type=int, default=20)
+    be.set_defaults(func=cmd_bench)
     demo = sub.add_parser("demo", help="the main job: what hapsynth can do today, end to end")
     demo.add_argument("--fast", action="store_true", help="skip the XLA cross-check")
     demo.set_defaults(func=cmd_demo)

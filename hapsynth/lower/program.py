@@ -39,9 +39,18 @@ class Lowered:
         self.group_rep = [sig.index(s) for s in first]  # one device per group
         n_state = plan.state_leaves
         outs = prog.outputs
+        needs: dict[int, set] = {}
+        for op_id, eqn in enumerate(prog.eqns):
+            for x, n in zip(eqn.inputs, plan.op_inputs[op_id]):
+                if isinstance(x, int) and n is not None:
+                    needs.setdefault(x, set()).add(n)
+        # state arrives as its update left it; data in the one layout its readers need
+        # (each device then receives only its rows), else whole
         self.in_layouts = [
             Layout.parse(plan.tensor_layouts[outs[i]]) if i < n_state and isinstance(outs[i], int)
-            else Layout("R") for i in range(len(prog.inputs))]
+            else Layout.parse(next(iter(needs[t]))) if len(needs.get(t, ())) == 1
+            and next(iter(needs[t])).startswith("S") else Layout("R")
+            for i, t in enumerate(prog.inputs)]
         self.out_layouts = [
             Layout.parse(plan.tensor_layouts[o]) if i < n_state and isinstance(o, int) else Layout("R")
             for i, o in enumerate(outs)]
@@ -241,8 +250,17 @@ class Lowered:
         return [self.prog.avals[o] if isinstance(o, int) else o.aval for o in self.prog.outputs]
 
     # -- outside -------------------------------------------------------------------
-    def __call__(self, *args):
-        leaves, _ = jax.tree.flatten(args, is_leaf=lambda v: isinstance(v, Sharded))
+    def shard(self, *args):
+        """The arguments stored as this program reads them (`Sharded` leaves): feed a batch
+        once per step with this and no resharding happens inside the call."""
+        leaves, tree = jax.tree.flatten(args, is_leaf=lambda v: isinstance(v, Sharded))
+        out = []
+        for x, lay, t in zip(self._stored(leaves), self.in_layouts, self.prog.inputs):
+            out.append(Sharded(x, _text(lay), self.prog.avals[t].shape,
+                               self.units.get(lay.units) if lay.kind == "S" else None))
+        return jax.tree.unflatten(tree, out)
+
+    def _stored(self, leaves):
         if len(leaves) != len(self.in_layouts):
             raise ValueError(f"expected {len(self.in_layouts)} array leaves, got {len(leaves)}")
         flat = []
@@ -253,7 +271,11 @@ class Lowered:
                     continue
                 x = unshard(x)
             flat.append(shard_array(x, lay, self.units, self.mesh))
-        outs = self._fn(*flat)
+        return flat
+
+    def __call__(self, *args):
+        leaves, _ = jax.tree.flatten(args, is_leaf=lambda v: isinstance(v, Sharded))
+        outs = self._fn(*self._stored(leaves))
         if self.mesh.devices.flat[0].platform == "cpu":
             # XLA CPU runs collectives in-process: another program dispatched to these
             # devices while one is mid-collective can starve it (seen as a rendezvous
@@ -264,7 +286,10 @@ class Lowered:
             if lay.kind == "R" and len(wrapped) >= self.plan.state_leaves:
                 wrapped.append(o)
             else:
-                text = "R" if lay.kind == "R" else ("P" if lay.kind == "P" else f"S{lay.dim}/{lay.units}")
-                wrapped.append(Sharded(o, text, aval.shape,
+                wrapped.append(Sharded(o, _text(lay), aval.shape,
                                        self.units.get(lay.units) if lay.kind == "S" else None))
         return jax.tree.unflatten(self.prog.out_tree, wrapped)
+
+
+def _text(lay: Layout) -> str:
+    return f"S{lay.dim}/{lay.units}" if lay.kind == "S" else lay.kind

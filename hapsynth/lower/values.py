@@ -8,6 +8,7 @@ Storage on the 1-D mesh axis "d" of k devices (DESIGN.md's lowering technique):
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -26,6 +27,7 @@ class Layout:
     units: int = 0
 
     @staticmethod
+    @functools.lru_cache(maxsize=4096)
     def parse(text: str) -> "Layout":
         if text in ("R", "P"):
             return Layout(text)

@@ -249,7 +249,12 @@ def local_search(st, tables, assign, capacity, ties=None, budget: int = 200,
 
 def synthesize(graph: Graph, cluster: Cluster, *, num_state_leaves: int, data_inputs,
                time_limit: float = 10.0, workers: int = 2, seed: int = 0, max_rounds: int = 2,
-               share_layers: bool = True, max_classes: int = 3) -> Plan:
+               share_layers: bool = True, max_classes: int = 3,
+               strategy: str = "auto") -> Plan:
+    """Synthesise a plan; `strategy="data-parallel"` returns the DP-CP baseline as the plan
+    (for comparisons and benchmarks of the lowering itself)."""
+    if strategy not in ("auto", "data-parallel"):
+        raise ValueError(f"strategy must be 'auto' or 'data-parallel', got {strategy!r}")
     t0 = time.perf_counter()
     uf = link_factors(graph)
     batch = batch_class(graph, uf, data_inputs)
@@ -269,6 +274,13 @@ def synthesize(graph: Graph, cluster: Cluster, *, num_state_leaves: int, data_in
                        "DP-CP": memory_per_device(st, st_tables, dp)["total"]}
     ties = layer_ties(graph, st.strategies) if share_layers else None
     phases["baselines"] = time.perf_counter() - mark
+    if strategy == "data-parallel":
+        need = memory_per_device(st, st_tables, dp)["total"]
+        return _make_plan(graph, cluster, st, st_tables, dp, st_tables.pricer.shares, baselines,
+                          baseline_memory, "DP-CP", need,
+                          {"status": "NONE", "gap": None, "objective": None, "bound": None,
+                           "solve_seconds": 0.0, "wall": time.perf_counter() - t0, "rounds": 0,
+                           "phases": phases, "variables": 0, "decisions": len(graph.nodes)})
     mark = time.perf_counter()
 
     # Starts: data parallel, and "shard the big state tensors on dim d, else the batch"
