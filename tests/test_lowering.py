@@ -134,3 +134,27 @@ def test_each_collective_form_on_uneven_shards(src, dst, form):
                               check_vma=False))
     got = unshard(Sharded(f(stored), dst, x.shape, UNITS.get(d.units)))
     np.testing.assert_allclose(np.asarray(got), x, rtol=1e-6, atol=1e-6)
+
+
+def test_shard_feeds_each_device_its_rows_and_changes_nothing():
+    step, (params, opt, batch) = get("gpt", "tiny")
+    par = hs.parallelize(step, cluster=CLUSTERS["2+6"](), time_limit=1)
+    fed = par.shard(params, opt, batch)
+    stored = jax.tree.leaves(fed[2], is_leaf=lambda v: isinstance(v, Sharded))
+    assert all(isinstance(v, Sharded) for v in stored)
+    assert any(v.layout.startswith("S") for v in stored)  # the batch arrives split
+    compare(hs.gather(par(*fed)), jax.jit(step)(params, opt, batch))
+
+
+def test_data_parallel_strategy_is_the_dp_cp_baseline():
+    step, args = get("mlp", "tiny")
+    plan = hs.parallelize(step, cluster=CLUSTERS["2+6"](), strategy="data-parallel").plan(*args)
+    assert plan.chosen == "DP-CP"
+    assert plan.predicted_step_time == pytest.approx(plan.baselines["DP-CP"])
+
+
+def test_more_devices_than_jax_sees_is_a_clear_error():
+    step, args = get("mlp", "tiny")
+    big = hs.Cluster.load("a100x8-v100x8-100g")  # 16 devices; the tests have 8
+    with pytest.raises(hs.ClusterError, match=r"16 devices.*only 8"):
+        hs.parallelize(step, cluster=big, time_limit=1)(*args)

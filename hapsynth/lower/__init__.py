@@ -1,1 +1,4 @@
-"""Stage 3 (to come): lower a Plan to `jax.jit(shard_map(...))` with per-class branches."""
+"""Stage 3: lower a Plan to `jax.jit(shard_map(...))` with per-group branches.
+
+values.py (how each layout is stored, `Sharded`, shard/gather) -> program.py (`Lowered`).
+"""
