@@ -102,9 +102,19 @@ def shard_array(x, layout: Layout, shard_units, mesh) -> jax.Array:
                           NamedSharding(mesh, spec(layout, x.ndim)))
 
 
+def _addressable(data):
+    """The whole global array in this process (across hosts: an all-gather over processes)."""
+    if isinstance(data, jax.Array) and not data.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return jnp.asarray(multihost_utils.process_allgather(data, tiled=True))
+    return data
+
+
 def unshard(value: Sharded):
     """The plain global array a `Sharded` value stands for."""
     layout = Layout.parse(value.layout)
+    value = Sharded(_addressable(value.data), value.layout, value.shape, value.units)
     if layout.kind == "R":
         return value.data
     if layout.kind == "P":
@@ -114,6 +124,6 @@ def unshard(value: Sharded):
 
 
 def gather(tree):
-    """Replace every `Sharded` leaf by the plain array it stands for."""
-    return jax.tree.map(lambda v: unshard(v) if isinstance(v, Sharded) else v, tree,
+    """Replace every `Sharded` leaf by the plain array it stands for (on every process)."""
+    return jax.tree.map(lambda v: unshard(v) if isinstance(v, Sharded) else _addressable(v), tree,
                         is_leaf=lambda v: isinstance(v, Sharded))
