@@ -134,3 +134,30 @@ def test_bert_base_sized_user_step_plans_on_the_hap_cluster():
     assert plan.predicted_step_time <= min(plan.baselines["DP-EV"], plan.baselines["DP-CP"])
     assert plan.predicted_step_time >= plan.baselines["ideal"]
     assert plan.unsupported == {}
+
+
+CPU_STALL = ("known limit: on 8 simulated CPU devices (2 cores) the second call of this "
+             "program stalls in XLA CPU's collective rendezvous and aborts the process; "
+             "see README 'Known limits'")
+
+
+@pytest.mark.parametrize("cluster", ["even", "2+6"])
+@pytest.mark.parametrize("make", [transformer_step, conv_step, mlp_custom_loss_step])
+def test_user_step_runs_distributed_like_one_device(make, cluster):
+    """Three chained distributed steps equal single-device jax.jit, on an even and on a
+    heterogeneous cluster (where some dim must be split unevenly)."""
+    from test_lowering import CLUSTERS, compare
+
+    if make is transformer_step:
+        pytest.skip(CPU_STALL)
+    step, args = make()
+    par = hs.parallelize(step, cluster=CLUSTERS[cluster](), time_limit=1)
+    ref = jax.jit(step)
+    state, want = args[:2], args[:2]
+    for _ in range(3):
+        want = ref(*want[:2], *args[2:])
+        state = par(*state[:2], *args[2:])
+        compare(hs.gather(state), want)
+    if cluster == "2+6":
+        units = par.plan(*args).shard_units
+        assert any(len(set(u)) > 1 for u in units.values())
