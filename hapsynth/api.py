@@ -32,9 +32,12 @@ def _abstract_tree(args):
 def signature_of(args) -> tuple:
     """What a plan depends on: the pytree structure, shapes and dtypes of the arguments
     (a `Sharded` leaf counts as the array it stands for). Cheap: called every step."""
-    leaves, tree = jax.tree.flatten(args, is_leaf=lambda v: isinstance(v, Sharded))
-    return tree, tuple((tuple(x.shape), str(x.data.dtype if isinstance(x, Sharded) else x.dtype))
-                       for x in leaves)
+    leaves, tree = jax.tree.flatten(args, is_leaf=_is_sharded)
+    return tree, tuple((tuple(x.shape), x.dtype) for x in leaves)
+
+
+def _is_sharded(v) -> bool:
+    return isinstance(v, Sharded)
 
 
 def state_arity(train_step, args) -> int:
@@ -50,16 +53,32 @@ def state_arity(train_step, args) -> int:
     return k
 
 
+def from_process_zero(text: str | None) -> str:
+    """Process 0's string on every process: with several `jax.distributed` processes
+    a plan is synthesised once and shared, since every process must run the same program."""
+    if jax.process_count() == 1:
+        return text
+    import numpy as np
+    from jax.experimental import multihost_utils as mh
+
+    data = np.frombuffer(text.encode(), np.uint8) if jax.process_index() == 0 else None
+    n = int(mh.broadcast_one_to_all(np.int32(0 if data is None else data.size)))
+    buf = np.zeros(n, np.uint8) if data is None else data
+    return bytes(np.asarray(mh.broadcast_one_to_all(buf))).decode()
+
+
 class Parallelized:
     """A train step bound to a cluster: `.plan(*args)` synthesises (cached per signature)."""
 
     def __init__(self, train_step, cluster: Cluster, *, donate_argnums=(), time_limit: float = 10.0,
-                 seed: int = 0, workers: int = 2, strategy: str = "auto"):
+                 seed: int = 0, workers: int = 2, strategy: str = "auto", shares=None,
+                 min_gain: float = 0.05):
         self.train_step = train_step
         self.cluster = cluster if isinstance(cluster, Cluster) else Cluster.load(cluster)
         self.donate_argnums = donate_argnums
         self.options = {"time_limit": time_limit, "seed": seed, "workers": workers,
-                        "strategy": strategy}
+                        "strategy": strategy, "shares": shares,
+                        "min_gain": min_gain}
         self._plans: dict = {}
         self._programs: dict = {}
         self._lowered: dict = {}
@@ -74,8 +93,13 @@ class Parallelized:
             nstate = len(jax.tree.leaves(args[:k]))
             prog, graph = lift(self.train_step, *args)
             self._programs[key] = prog
-            self._plans[key] = synthesize(graph, self.cluster, num_state_leaves=nstate,
-                                          data_inputs=graph.inputs[nstate:], **self.options)
+            plan = None
+            if jax.process_index() == 0:
+                plan = synthesize(graph, self.cluster, num_state_leaves=nstate,
+                                  data_inputs=graph.inputs[nstate:], **self.options)
+            if jax.process_count() > 1:
+                plan = Plan.from_json(from_process_zero(plan and plan.to_json()))
+            self._plans[key] = plan
         return self._plans[key]
 
     def lowered(self, *args) -> Lowered:
@@ -91,9 +115,17 @@ class Parallelized:
         sharded batch. Returns the same pytree with `hs.Sharded` leaves."""
         return self.lowered(*args).shard(*args)
 
+    def load(self, load, *args):
+        """`args` stored as the step reads them, where each leaf given as a
+        `jax.ShapeDtypeStruct` is read by `load(path, dim, start, stop)` for this process's
+        devices only (multi-host data loading: a process reads just its devices' rows)."""
+        return self.lowered(*args).load(load, *args)
+
     def __call__(self, *args):
         """Run one distributed step; arguments may be global arrays or previous outputs."""
-        return self.lowered(*args)(*args)
+        leaves, tree = jax.tree.flatten(args, is_leaf=_is_sharded)
+        low = self._lowered.get((tree, tuple((tuple(x.shape), x.dtype) for x in leaves)))
+        return (low or self.lowered(*args)).run(leaves)
 
 
 def parallelize(train_step=None, *, cluster, donate_argnums=(), **options):

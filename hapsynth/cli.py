@@ -69,9 +69,33 @@ def cmd_plan(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from hapsynth import bench
+    if args.kind == "overhead":
+        from hapsynth.bench import overhead
 
-    return bench.main(args.kind, args.model, args.config, args.reps)
+        return overhead.main(args.model or "gpt", args.config or "tiny", args.reps or 20)
+    from hapsynth.bench import hetero
+
+    models = [args.model + "-" + (args.config or "tiny")] if args.model else list(hetero.MODELS)
+    rows = hetero.run(models, ratios=args.ratios, reps=args.reps or 8)
+    print(json.dumps(rows, indent=1) if args.json else hetero.format_rows(rows))
+    return 0
+
+
+def cmd_profile(args) -> int:
+    from hapsynth import profile
+
+    if args.processes > 1:
+        from hapsynth import launch
+
+        result = launch.run("hapsynth.profile:profile", {}, processes=args.processes)
+    else:
+        result = profile.profile()
+    text = profile.to_toml(result, name=args.name)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    print(json.dumps(result, indent=1) if args.json else text)
+    return 0
 
 
 def cmd_demo(args) -> int:
@@ -102,12 +126,22 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.add_argument("--out", help="also write the plan's JSON to this file")
     pl.set_defaults(func=cmd_plan)
-    be = sub.add_parser("bench", help="benchmarks measured side by side (see hapsynth/bench.py)")
-    be.add_argument("kind", choices=["overhead"])
-    be.add_argument("--model", default="gpt", choices=names())
-    be.add_argument("--config", default="tiny", choices=list(CONFIG_NAMES))
-    be.add_argument("--reps", type=int, default=20)
+    be = sub.add_parser("bench", help="benchmarks measured side by side (see hapsynth/bench/)")
+    be.add_argument("kind", choices=["overhead", "hetero"])
+    be.add_argument("--model", choices=names(), help="default: gpt (overhead), a set (hetero)")
+    be.add_argument("--config", choices=list(CONFIG_NAMES), help="default: tiny")
+    be.add_argument("--reps", type=int, help="timed steps per program (default 20 / 8)")
+    be.add_argument("--ratios", type=float, nargs="+", default=[2.0, 3.0],
+                    help="hetero: fast/slow speed ratios to emulate")
+    be.add_argument("--json", action="store_true", help="hetero: print the rows as JSON")
     be.set_defaults(func=cmd_bench)
+    pr = sub.add_parser("profile", help="measure local devices and links, write a cluster TOML")
+    pr.add_argument("--processes", type=int, default=1,
+                    help="CPU: measure links between this many one-core jax.distributed processes")
+    pr.add_argument("--name", default="profiled", help="the cluster's name in the TOML")
+    pr.add_argument("--out", help="write the TOML to this file")
+    pr.add_argument("--json", action="store_true", help="print the measurements as JSON")
+    pr.set_defaults(func=cmd_profile)
     demo = sub.add_parser("demo", help="the main job: what hapsynth can do today, end to end")
     demo.add_argument("--fast", action="store_true", help="skip the XLA cross-check")
     demo.set_defaults(func=cmd_demo)

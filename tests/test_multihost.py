@@ -37,6 +37,8 @@ def test_two_processes_match_single_device():
         err, uneven = float(line.split()[1]), line.split()[3] == "True"
         assert err < 2e-3, line
         assert uneven, "the two-class cluster should give uneven shards"
+        loaded, total = int(line.split()[5]), int(line.split()[7])
+        assert 0 < loaded < total, f"a process should load only its own rows: {line}"
 
 
 @pytest.mark.slow

@@ -136,11 +136,6 @@ def test_bert_base_sized_user_step_plans_on_the_hap_cluster():
     assert plan.unsupported == {}
 
 
-CPU_STALL = ("known limit: on 8 simulated CPU devices (2 cores) the second call of this "
-             "program stalls in XLA CPU's collective rendezvous and aborts the process; "
-             "see README 'Known limits'")
-
-
 @pytest.mark.parametrize("cluster", ["even", "2+6"])
 @pytest.mark.parametrize("make", [transformer_step, conv_step, mlp_custom_loss_step])
 def test_user_step_runs_distributed_like_one_device(make, cluster):
@@ -148,8 +143,6 @@ def test_user_step_runs_distributed_like_one_device(make, cluster):
     heterogeneous cluster (where some dim must be split unevenly)."""
     from test_lowering import CLUSTERS, compare
 
-    if make is transformer_step:
-        pytest.skip(CPU_STALL)
     step, args = make()
     par = hs.parallelize(step, cluster=CLUSTERS[cluster](), time_limit=1)
     ref = jax.jit(step)

@@ -8,6 +8,15 @@ The flat program is interpreted eqn by eqn inside the shard_map body:
   shard sizes): branch g slices its operands to group g's static sizes, binds the
   primitive with params resized for them, and pads results back to the stored size.
 XLA executes only the taken branch, so a device computes only its own share.
+
+`work_repeat` (benchmarks only, never part of a plan) emulates slower devices on equal
+hardware: device i evaluates every segment `work_repeat[i]` times. Repeating the same
+ops on the same operands is CSE'd by XLA (optimization barriers do not stop it on CPU),
+so the repeats run in a loop whose trip count is a runtime input; each turn changes one
+element of every operand in place by `where(flag, 1, 0)` (`flag` a runtime False) and
+carries the segment's results out of the loop. Values are unchanged, yet XLA can
+neither merge, hoist nor drop a repeat, and no extra elementwise work is fused into
+the repeated ops (their matmuls stay library calls). Counts change without recompiling.
 """
 from __future__ import annotations
 
@@ -20,17 +29,21 @@ from jax.sharding import Mesh
 from hapsynth import _jax
 from hapsynth.ir.rules import local_params
 from hapsynth.ir.trace import Const, Program
-from hapsynth.lower.values import AXIS, Geometry, Layout, Sharded, shard_array, spec, unshard
+from hapsynth.lower.values import (AXIS, Geometry, Layout, Sharded, load_array, shard_array,
+                                   spec, unshard)
 from hapsynth.synth.plan import Plan
 
 
 class Lowered:
     """A plan bound to a traced program and a mesh; call it with global or Sharded args."""
 
-    def __init__(self, prog: Program, plan: Plan, devices):
+    def __init__(self, prog: Program, plan: Plan, devices, *, work_repeat=None, gspmd=True):
         self.prog, self.plan = prog, plan
         self.mesh = Mesh(np.asarray(devices), (AXIS,))
         self.k = len(devices)
+        self.emulating = work_repeat is not None
+        if self.emulating:
+            self.set_work_repeat(work_repeat)
         self.units = {int(u): tuple(v) for u, v in plan.shard_units.items()}
         keys = sorted(self.units)
         sig = [tuple(self.units[u][i] for u in keys) for i in range(self.k)]
@@ -62,10 +75,55 @@ class Lowered:
             for (t, dst), form in list(self.forms.items()):
                 if t == out:
                     self.forms[(prog.inputs[i], dst)] = form
+        # a plan with even shards everywhere needs no branches: plain jit with the plan's
+        # layouts as sharding constraints, partitioned by XLA (the cheapest program)
+        used = {Layout.parse(t).units for t in (*plan.tensor_layouts,
+                                                *(n for ins in plan.op_inputs for n in ins if n))
+                if t.startswith("S")}
+        self.mode = "gspmd" if gspmd and not self.emulating and all(
+            len(set(self.units[u])) == 1 for u in used) and all(
+            lay.kind != "P" for lay in (*self.in_layouts, *self.out_layouts)) else "shard_map"
+        if self.mode == "gspmd":
+            self._fn = jax.jit(self._global_body,
+                               in_shardings=tuple(self._named(l) for l in self.in_layouts),
+                               out_shardings=tuple(self._named(l) for l in self.out_layouts))
+            return
         in_specs = tuple(spec(l, 0) for l in self.in_layouts)
+        if self.emulating:
+            in_specs += (spec(Layout("R"), 0), spec(Layout("R"), 0))
         out_specs = tuple(spec(l, 0) for l in self.out_layouts)
         self._fn = jax.jit(jax.shard_map(self._body, mesh=self.mesh, in_specs=in_specs,
                                          out_specs=out_specs, check_vma=False))
+
+    def set_work_repeat(self, work_repeat, flag: bool = False):
+        """Benchmarks only: device i runs each segment `work_repeat[i]` times from now on
+        (`flag=True` perturbs the repeats' operands, which tests use to see them run)."""
+        r = [int(x) for x in work_repeat]
+        if not self.emulating or len(r) != self.k or min(r) < 1:
+            raise ValueError(f"work_repeat needs {self.k} integers >= 1 on a Lowered built "
+                             f"with work_repeat=, got {work_repeat!r}")
+        rep = jax.sharding.NamedSharding(self.mesh, spec(Layout("R"), 0))
+        self.repeat = tuple(r)
+        self._extra = (jax.device_put(np.asarray(flag), rep),
+                       jax.device_put(np.asarray(r, np.int32), rep))
+
+    def _named(self, layout: Layout):
+        return jax.sharding.NamedSharding(self.mesh, spec(layout, 0))
+
+    def _global_body(self, *flat):
+        """The program at global shapes, each R/S tensor constrained to its plan layout."""
+        prog, plan = self.prog, self.plan
+        env = dict(prog.consts)
+        env.update(zip(prog.inputs, flat))
+        for eqn in prog.eqns:
+            vals = [x.value if isinstance(x, Const) else env[x] for x in eqn.inputs]
+            outs = _jax.bind(eqn.primitive, vals, eqn.params)
+            outs = list(outs) if eqn.primitive.multiple_results else [outs]
+            for t, v in zip(eqn.outputs, outs):
+                lay = Layout.parse(plan.tensor_layouts[t])
+                env[t] = v if lay.kind == "P" else lax.with_sharding_constraint(v, self._named(lay))
+        return tuple(jnp.asarray(o.value) if isinstance(o, Const) else env[o]
+                     for o in prog.outputs)
 
     # -- inside the shard_map ------------------------------------------------------
     def _geom(self, layout: Layout, shape) -> Geometry:
@@ -200,8 +258,46 @@ class Lowered:
                 result.append(v)
         return result
 
+    def _repeated(self, seg, keys, dev, extra):
+        """Branch function of `dev`'s group: the segment, then (emulating) its repeats."""
+        def run(*a):
+            outs = tuple(self._run_segment(seg, dict(zip(keys, a)), dev))
+            if extra is None or not any(o.size and jnp.issubdtype(o.dtype, jnp.number)
+                                        for o in outs):
+                return outs
+            flag, count = extra
+
+            def nudge(vals):
+                # one element each, in place: the operands become loop-variant (so XLA
+                # cannot hoist or merge the repeat) at O(1) cost, and no elementwise op
+                # is fused into their consumers (a matmul stays a library matmul)
+                out = []
+                for v in vals:
+                    if v.size and jnp.issubdtype(v.dtype, jnp.number):
+                        at = (0,) * v.ndim
+                        corner = lax.dynamic_slice(v, at, (1,) * v.ndim)
+                        v = lax.dynamic_update_slice(
+                            v, corner + jnp.where(flag, 1, 0).astype(v.dtype), at)
+                    out.append(v)
+                return tuple(out)
+
+            def again(_, carry):
+                # the results are carried out of the loop, so no repeat is dead code
+                b = nudge(carry[0])
+                return b, tuple(self._run_segment(seg, dict(zip(keys, b)), dev))
+
+            # a device that does not repeat skips the loop (and the copies it needs)
+            return lax.cond(count > 1,
+                            lambda: lax.fori_loop(0, count - 1, again, (tuple(a), outs))[1],
+                            lambda: outs)
+        return run
+
     def _body(self, *flat):
         prog, plan = self.prog, self.plan
+        extra = None
+        if self.emulating:
+            *flat, flag, counts = flat
+            extra = (flag, counts[lax.axis_index(AXIS)])
         env = {}
         for t, v, lay in zip(prog.inputs, flat, self.in_layouts):
             env[t] = (v[0] if lay.kind == "P" else v, lay)
@@ -225,14 +321,11 @@ class Lowered:
                                                    self.forms.get((key[0], key[1])))
             args = [converted[k] for k in keys]
             sharded = any(plan.op_factors[o] >= 0 for o in seg) and len(self.group_rep) > 1
-
-            def branch(dev):
-                return lambda *a: tuple(self._run_segment(seg, dict(zip(keys, a)), dev))
-
             if sharded:
-                outs = lax.switch(group, [branch(d) for d in self.group_rep], *args)
+                outs = lax.switch(group, [self._repeated(seg, keys, d, extra)
+                                          for d in self.group_rep], *args)
             else:
-                outs = branch(self.group_rep[0])(*args)
+                outs = self._repeated(seg, keys, self.group_rep[0], extra)(*args)
             produced = [t for op_id in seg for t in prog.eqns[op_id].outputs]
             for t, o in zip(produced, outs):
                 env[t] = (o, Layout.parse(plan.tensor_layouts[t]))
@@ -260,22 +353,49 @@ class Lowered:
                                self.units.get(lay.units) if lay.kind == "S" else None))
         return jax.tree.unflatten(tree, out)
 
+    def load(self, load, *args):
+        """Like `shard`, but every leaf given as a `jax.ShapeDtypeStruct` is read through
+        `load(path, dim, start, stop)` (rows `start:stop` of dim `dim` of the leaf at
+        pytree `path`), only for the devices of this process: with several processes each
+        one loads just its own devices' rows of the batch."""
+        flat, tree = jax.tree_util.tree_flatten_with_path(
+            args, is_leaf=lambda v: isinstance(v, Sharded))
+        if len(flat) != len(self.in_layouts):
+            raise ValueError(f"expected {len(self.in_layouts)} array leaves, got {len(flat)}")
+        out = []
+        for (path, x), lay, t in zip(flat, self.in_layouts, self.prog.inputs):
+            shape = self.prog.avals[t].shape
+            if isinstance(x, jax.ShapeDtypeStruct):
+                where = jax.tree_util.keystr(path)
+                data = load_array(lambda d, a, b: load(where, d, a, b), lay, shape, x.dtype,
+                                  self.units, self.mesh)
+            else:
+                data = self._store_one(x, lay)
+            out.append(Sharded(data, _text(lay), shape,
+                               self.units.get(lay.units) if lay.kind == "S" else None))
+        return jax.tree.unflatten(tree, out)
+
+    def _store_one(self, x, lay):
+        if isinstance(x, Sharded):
+            if Layout.parse(x.layout) == lay:
+                return x.data
+            x = unshard(x)
+        return shard_array(x, lay, self.units, self.mesh)
+
     def _stored(self, leaves):
         if len(leaves) != len(self.in_layouts):
             raise ValueError(f"expected {len(self.in_layouts)} array leaves, got {len(leaves)}")
-        flat = []
-        for x, lay in zip(leaves, self.in_layouts):
-            if isinstance(x, Sharded):
-                if Layout.parse(x.layout) == lay:
-                    flat.append(x.data)
-                    continue
-                x = unshard(x)
-            flat.append(shard_array(x, lay, self.units, self.mesh))
-        return flat
+        return [self._store_one(x, lay) for x, lay in zip(leaves, self.in_layouts)]
 
     def __call__(self, *args):
-        leaves, _ = jax.tree.flatten(args, is_leaf=lambda v: isinstance(v, Sharded))
-        outs = self._fn(*self._stored(leaves))
+        return self.run(jax.tree.flatten(args, is_leaf=lambda v: isinstance(v, Sharded))[0])
+
+    def run(self, leaves):
+        """One step on the flattened arguments (arrays or `Sharded`)."""
+        stored = self._stored(leaves)
+        if self.emulating:
+            stored += self._extra
+        outs = self._fn(*stored)
         if self.mesh.devices.flat[0].platform == "cpu":
             # XLA CPU runs collectives in-process: another program dispatched to these
             # devices while one is mid-collective can starve it (seen as a rendezvous

@@ -70,6 +70,10 @@ class Sharded:
     def tree_unflatten(cls, aux, children):
         return cls(children[0], *aux)
 
+    @property
+    def dtype(self):
+        return self.data.dtype
+
     def __repr__(self):
         return f"Sharded({self.layout}, shape={self.shape})"
 
@@ -102,6 +106,38 @@ def shard_array(x, layout: Layout, shard_units, mesh) -> jax.Array:
                           NamedSharding(mesh, spec(layout, x.ndim)))
 
 
+def load_array(load, layout: Layout, shape, dtype, shard_units, mesh) -> jax.Array:
+    """The stored form of `layout`, built from `load(dim, start, stop)` calls for this
+    process's devices only: each process reads just the rows its devices hold."""
+    if layout.kind == "P":
+        raise ValueError("a partial-sum input cannot be loaded by rows")
+    sharding = NamedSharding(mesh, spec(layout, len(shape)))
+    if layout.kind == "S":
+        g, dim = Geometry.of(layout, shape, shard_units), layout.dim
+    else:
+        g, dim = Geometry((shape[0],) * mesh.devices.size, (0,) * mesh.devices.size, shape[0]), 0
+    stored = list(shape)
+    if layout.kind == "S":
+        stored[dim] = g.pad * mesh.devices.size
+    pieces, cache = [], {}
+    for i, d in enumerate(mesh.devices.flat):
+        if d.process_index != jax.process_index():
+            continue
+        key = (g.offsets[i], g.rows[i])
+        if key not in cache:
+            part = np.asarray(load(dim, g.offsets[i], g.offsets[i] + g.rows[i]), dtype)
+            want = tuple(g.rows[i] if a == dim else n for a, n in enumerate(shape))
+            if part.shape != want:
+                raise ValueError(f"load(dim={dim}, start={g.offsets[i]}, stop="
+                                 f"{g.offsets[i] + g.rows[i]}) returned shape {part.shape}, "
+                                 f"expected {want}")
+            pad = [(0, 0)] * len(shape)
+            pad[dim] = (0, g.pad - g.rows[i]) if layout.kind == "S" else (0, 0)
+            cache[key] = np.pad(part, pad)
+        pieces.append(jax.device_put(cache[key], d))
+    return jax.make_array_from_single_device_arrays(tuple(stored), sharding, pieces)
+
+
 def _addressable(data):
     """The whole global array in this process (across hosts: an all-gather over processes)."""
     if isinstance(data, jax.Array) and not data.is_fully_addressable:
@@ -112,15 +148,18 @@ def _addressable(data):
 
 
 def unshard(value: Sharded):
-    """The plain global array a `Sharded` value stands for."""
+    """The plain global array a `Sharded` value stands for.
+
+    Assembled on the host from the device shards: no multi-device program is launched
+    (on XLA CPU, many small collective programs in flight can stall its rendezvous)."""
     layout = Layout.parse(value.layout)
-    value = Sharded(_addressable(value.data), value.layout, value.shape, value.units)
     if layout.kind == "R":
-        return value.data
+        return _addressable(value.data)
+    data = np.asarray(_addressable(value.data))
     if layout.kind == "P":
-        return jnp.sum(value.data, axis=0)
+        return jnp.asarray(data.sum(axis=0, dtype=data.dtype))
     g = Geometry.of(layout, value.shape, dict([(layout.units, value.units)]))
-    return jnp.take(value.data, g.compact_index(), axis=layout.dim)
+    return jnp.asarray(np.take(data, g.compact_index(), axis=layout.dim))
 
 
 def gather(tree):

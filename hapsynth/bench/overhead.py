@@ -50,9 +50,7 @@ def overhead(model: str = "gpt", config: str = "tiny", reps: int = 20) -> dict:
                 tuple(u[i] for u in plan.shard_units.values()) for i in range(8)))}
 
 
-def main(kind: str, model: str, config: str, reps: int) -> int:
-    if kind != "overhead":
-        raise SystemExit(f"unknown benchmark {kind!r}; available: overhead")
+def main(model: str, config: str, reps: int) -> int:
     import jax
 
     try:

@@ -1,0 +1,1 @@
+"""Benchmarks measured side by side in one run: `hapsynth bench overhead|hetero`."""
