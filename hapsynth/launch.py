@@ -82,6 +82,17 @@ def progress(message: str) -> None:
     print(PROGRESS + message, flush=True)
 
 
+def _die_with_parent() -> None:
+    """In the child: be killed when the launching process dies (Linux prctl)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def run(task: str, kwargs: dict | None = None, *, processes: int = 2, timeout: float = 900,
         pin: bool = True, echo: bool = False) -> object:
     """`task(**kwargs)` in `processes` local jax.distributed processes; process 0's result.
@@ -103,7 +114,7 @@ def run(task: str, kwargs: dict | None = None, *, processes: int = 2, timeout: f
                        "path": sys.path})
     procs = [subprocess.Popen([sys.executable, "-m", "hapsynth.launch", spec, str(i)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=env) for i in range(processes)]
+                              env=env, preexec_fn=_die_with_parent) for i in range(processes)]
     outs = [[] for _ in procs]
 
     def read(i, p):

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
 
-MODELS = ("gpt-small", "vgg-small")  # compute-bound enough on one core to show a split
+MODELS = ("gpt-small", "bert-small")  # compute-bound enough on one core to show a split
 GRID = (0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95)
 
 
@@ -158,6 +159,7 @@ def run(models, ratios=(2, 3), reps: int = 8, time_limit: float = 5.0) -> list[d
         rows += launch.run("hapsynth.bench.hetero:measure", echo=True, kwargs=
                            {"model": model, "config": config, "ratios": list(ratios),
                             "reps": reps, "time_limit": time_limit})
+        print(format_rows(rows[-len(ratios):]), file=sys.stderr, flush=True)
     return rows
 
 
