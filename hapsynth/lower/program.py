@@ -260,37 +260,38 @@ class Lowered:
 
     def _repeated(self, seg, keys, dev, extra):
         """Branch function of `dev`'s group: the segment, then (emulating) its repeats."""
-        def run(*a):
-            outs = tuple(self._run_segment(seg, dict(zip(keys, a)), dev))
-            if extra is None or not any(o.size and jnp.issubdtype(o.dtype, jnp.number)
-                                        for o in outs):
-                return outs
-            flag, count = extra
+        def once(*a):
+            return tuple(self._run_segment(seg, dict(zip(keys, a)), dev))
 
-            def nudge(vals):
-                # one element each, in place: the operands become loop-variant (so XLA
-                # cannot hoist or merge the repeat) at O(1) cost, and no elementwise op
-                # is fused into their consumers (a matmul stays a library matmul)
-                out = []
-                for v in vals:
-                    if v.size and jnp.issubdtype(v.dtype, jnp.number):
-                        at = (0,) * v.ndim
-                        corner = lax.dynamic_slice(v, at, (1,) * v.ndim)
-                        v = lax.dynamic_update_slice(
-                            v, corner + jnp.where(flag, 1, 0).astype(v.dtype), at)
-                    out.append(v)
-                return tuple(out)
+        if extra is None:
+            return once
+        flag, count = extra
 
-            def again(_, carry):
-                # the results are carried out of the loop, so no repeat is dead code
-                b = nudge(carry[0])
-                return b, tuple(self._run_segment(seg, dict(zip(keys, b)), dev))
+        def nudge(vals):
+            # one element each, in place: the operands become loop-variant (so XLA cannot
+            # hoist or merge the repeat) at O(1) cost, and no elementwise op is fused into
+            # their consumers (a matmul stays a library matmul)
+            out = []
+            for v in vals:
+                if v.size and jnp.issubdtype(v.dtype, jnp.number):
+                    at = (0,) * v.ndim
+                    corner = lax.dynamic_slice(v, at, (1,) * v.ndim)
+                    v = lax.dynamic_update_slice(
+                        v, corner + jnp.where(flag, 1, 0).astype(v.dtype), at)
+                out.append(v)
+            return tuple(out)
 
-            # a device that does not repeat skips the loop (and the copies it needs)
-            return lax.cond(count > 1,
-                            lambda: lax.fori_loop(0, count - 1, again, (tuple(a), outs))[1],
-                            lambda: outs)
-        return run
+        def again(_, carry):
+            # the results are carried out of the loop, so no repeat is dead code
+            b = nudge(carry[0])
+            return b, once(*b)
+
+        def repeated(*a):
+            return lax.fori_loop(0, count - 1, again, (a, once(*a)))[1]
+
+        # a device that does not repeat runs the plain segment: both branches compute
+        # their results in place, so the fast device pays nothing for the knob
+        return lambda *a: lax.cond(count > 1, repeated, once, *a)
 
     def _body(self, *flat):
         prog, plan = self.prog, self.plan
