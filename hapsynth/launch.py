@@ -82,8 +82,10 @@ def progress(message: str) -> None:
     print(PROGRESS + message, flush=True)
 
 
-def _die_with_parent() -> None:
-    """In the child: be killed when the launching process dies (Linux prctl)."""
+def _die_with_parent(parent: int) -> None:
+    """In a worker: be killed when the launching process dies (Linux prctl), so no
+    orphan keeps a core busy. Done by the worker itself: `preexec_fn` would fork a
+    multithreaded parent."""
     try:
         import ctypes
         import signal
@@ -91,6 +93,8 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+    if os.getppid() != parent:  # it died before the line above
+        os._exit(1)
 
 
 def run(task: str, kwargs: dict | None = None, *, processes: int = 2, timeout: float = 900,
@@ -111,10 +115,10 @@ def run(task: str, kwargs: dict | None = None, *, processes: int = 2, timeout: f
            "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     spec = json.dumps({"task": task, "kwargs": kwargs or {}, "processes": processes,
                        "port": port, "cores": avail[:processes] if pin else None,
-                       "path": sys.path})
+                       "path": sys.path, "parent": os.getpid()})
     procs = [subprocess.Popen([sys.executable, "-m", "hapsynth.launch", spec, str(i)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=env, preexec_fn=_die_with_parent) for i in range(processes)]
+                              env=env) for i in range(processes)]
     outs = [[] for _ in procs]
 
     def read(i, p):
@@ -152,6 +156,7 @@ def run(task: str, kwargs: dict | None = None, *, processes: int = 2, timeout: f
 
 
 def _worker(spec: dict, rank: int) -> None:
+    _die_with_parent(spec["parent"])
     sys.path[:0] = [p for p in spec["path"] if p not in sys.path]
     if spec["cores"] is not None:
         os.sched_setaffinity(0, {spec["cores"][rank]})
