@@ -33,6 +33,10 @@ def signature_of(args) -> tuple:
     """What a plan depends on: the pytree structure, shapes and dtypes of the arguments
     (a `Sharded` leaf counts as the array it stands for). Cheap: called every step."""
     leaves, tree = jax.tree.flatten(args, is_leaf=_is_sharded)
+    return _signature(leaves, tree)
+
+
+def _signature(leaves, tree) -> tuple:
     return tree, tuple((tuple(x.shape), x.dtype) for x in leaves)
 
 
@@ -67,6 +71,14 @@ def from_process_zero(text: str | None) -> str:
     return bytes(np.asarray(mh.broadcast_one_to_all(buf))).decode()
 
 
+def synthesize_once(graph, cluster, **options) -> Plan:
+    """`synthesize` on process 0 only; with several processes the plan is shared."""
+    plan = synthesize(graph, cluster, **options) if jax.process_index() == 0 else None
+    if jax.process_count() > 1:
+        plan = Plan.from_json(from_process_zero(plan and plan.to_json()))
+    return plan
+
+
 class Parallelized:
     """A train step bound to a cluster: `.plan(*args)` synthesises (cached per signature)."""
 
@@ -93,13 +105,8 @@ class Parallelized:
             nstate = len(jax.tree.leaves(args[:k]))
             prog, graph = lift(self.train_step, *args)
             self._programs[key] = prog
-            plan = None
-            if jax.process_index() == 0:
-                plan = synthesize(graph, self.cluster, num_state_leaves=nstate,
-                                  data_inputs=graph.inputs[nstate:], **self.options)
-            if jax.process_count() > 1:
-                plan = Plan.from_json(from_process_zero(plan and plan.to_json()))
-            self._plans[key] = plan
+            self._plans[key] = synthesize_once(graph, self.cluster, num_state_leaves=nstate,
+                                               data_inputs=graph.inputs[nstate:], **self.options)
         return self._plans[key]
 
     def lowered(self, *args) -> Lowered:
@@ -124,7 +131,7 @@ class Parallelized:
     def __call__(self, *args):
         """Run one distributed step; arguments may be global arrays or previous outputs."""
         leaves, tree = jax.tree.flatten(args, is_leaf=_is_sharded)
-        low = self._lowered.get((tree, tuple((tuple(x.shape), x.dtype) for x in leaves)))
+        low = self._lowered.get(_signature(leaves, tree))
         return (low or self.lowered(*args)).run(leaves)
 
 

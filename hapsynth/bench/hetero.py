@@ -5,9 +5,9 @@ Two `jax.distributed` processes on 127.0.0.1 (one CPU device and one core each, 
 lowering's benchmark-only `work_repeat` knob (its branches run r times). In one run,
 per model and speed ratio r:
 
-1. the links are measured (psum sweep) and the compute rate is measured by running the
-   data-parallel program on the fast device alone; the cluster is that rate for the
-   fast class and rate / r for the slow one (the calibration);
+1. the links are measured (psum sweep) and the compute rate by one even data-parallel
+   run at 1:1; the cluster is that rate for the fast class and rate / r for the slow
+   one (the calibration);
 2. DP-EV, DP-CP, the synthesized plan and a grid of data-parallel splits (the fast
    device's share of the batch) are lowered and timed alternately, median of `reps`
    after warm-up; `measured_best` is the best grid point;
@@ -69,12 +69,11 @@ def measure(model: str, config: str, ratios, reps: int, time_limit: float,
 
     from hapsynth import profile
     from hapsynth.launch import progress
-    from hapsynth.api import from_process_zero
+    from hapsynth.api import synthesize_once
     from hapsynth.ir import lift
     from hapsynth.lower.program import Lowered
     from hapsynth.models import get
     from hapsynth.synth.plan import Plan
-    from hapsynth.synth.synthesize import synthesize
 
     devices = jax.devices()
     link = profile.links()
@@ -83,12 +82,8 @@ def measure(model: str, config: str, ratios, reps: int, time_limit: float,
     nstate = len(jax.tree.leaves(args[:2]))
 
     def plan(cluster, **kw) -> Plan:
-        text = None
-        if jax.process_index() == 0:
-            text = synthesize(graph, cluster, num_state_leaves=nstate,
-                              data_inputs=graph.inputs[nstate:], time_limit=time_limit,
-                              **kw).to_json()
-        return Plan.from_json(from_process_zero(text))
+        return synthesize_once(graph, cluster, num_state_leaves=nstate,
+                               data_inputs=graph.inputs[nstate:], time_limit=time_limit, **kw)
 
     programs = {}
 

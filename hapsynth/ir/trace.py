@@ -165,8 +165,10 @@ def value_of(env, x):
     return x.value if isinstance(x, Const) else env[x]
 
 
-def evaluate(prog: Program, flat_args) -> dict:
-    """Run the flat program eqn by eqn (eager); returns {tensor id: value}."""
+def evaluate(prog: Program, flat_args, place=None) -> dict:
+    """Run the flat program eqn by eqn (eager, or traced under jit); returns {tensor id:
+    value}. `place(tensor id, value)`, if given, replaces each result as it is made
+    (the lowering uses it to pin results to their planned layouts)."""
     env = dict(prog.consts)
     env.update(zip(prog.inputs, flat_args))
     for e in prog.eqns:
@@ -174,5 +176,7 @@ def evaluate(prog: Program, flat_args) -> dict:
         outs = _jax.bind(e.primitive, vals, e.params)
         if not e.primitive.multiple_results:
             outs = (outs,)
+        if place is not None:
+            outs = [place(t, v) for t, v in zip(e.outputs, outs)]
         env.update(zip(e.outputs, outs))
     return env

@@ -28,7 +28,7 @@ from jax.sharding import Mesh
 
 from hapsynth import _jax
 from hapsynth.ir.rules import local_params
-from hapsynth.ir.trace import Const, Program
+from hapsynth.ir.trace import Const, Program, evaluate, value_of
 from hapsynth.lower.values import (AXIS, Geometry, Layout, Sharded, load_array, shard_array,
                                    spec, unshard)
 from hapsynth.synth.plan import Plan
@@ -112,18 +112,12 @@ class Lowered:
 
     def _global_body(self, *flat):
         """The program at global shapes, each R/S tensor constrained to its plan layout."""
-        prog, plan = self.prog, self.plan
-        env = dict(prog.consts)
-        env.update(zip(prog.inputs, flat))
-        for eqn in prog.eqns:
-            vals = [x.value if isinstance(x, Const) else env[x] for x in eqn.inputs]
-            outs = _jax.bind(eqn.primitive, vals, eqn.params)
-            outs = list(outs) if eqn.primitive.multiple_results else [outs]
-            for t, v in zip(eqn.outputs, outs):
-                lay = Layout.parse(plan.tensor_layouts[t])
-                env[t] = v if lay.kind == "P" else lax.with_sharding_constraint(v, self._named(lay))
-        return tuple(jnp.asarray(o.value) if isinstance(o, Const) else env[o]
-                     for o in prog.outputs)
+        def place(t, v):
+            lay = Layout.parse(self.plan.tensor_layouts[t])
+            return v if lay.kind == "P" else lax.with_sharding_constraint(v, self._named(lay))
+
+        env = evaluate(self.prog, flat, place)
+        return tuple(jnp.asarray(value_of(env, o)) for o in self.prog.outputs)
 
     # -- inside the shard_map ------------------------------------------------------
     def _geom(self, layout: Layout, shape) -> Geometry:
