@@ -61,7 +61,10 @@ def compute(device=None, dtype: str = "float32") -> dict:
 
 
 def links(sizes=PSUM_BYTES) -> dict | None:
-    """psum times over all global devices, and alpha/beta fitted to the ring model."""
+    """Times of psum, all-gather and all-to-all over all global devices (for each size in
+    `sizes`, the whole tensor's bytes), and one latency/bandwidth pair fitted to all of
+    them through the cost model's own formulas (so it prices every conversion kind, not
+    just all-reduce), minimising the relative error."""
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
@@ -72,21 +75,36 @@ def links(sizes=PSUM_BYTES) -> dict | None:
     if k < 2:
         return None
     mesh = Mesh(np.asarray(devices), ("d",))
-    fn = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "d"), mesh=mesh, in_specs=PS("d"),
-                               out_specs=PS("d")))
-    times = {}
-    for nbytes in sizes:
-        n = nbytes // 4
-        x = jax.make_array_from_callback((k * n,), NamedSharding(mesh, PS("d")),
-                                         lambda idx: np.ones((n,), np.float32))
-        times[nbytes] = _median_time(fn, x, reps=15)
-    # t = 2(k-1) alpha + 2(k-1)/k * n / beta  (least squares in n)
-    n = np.array(list(times), float)
-    t = np.array(list(times.values()))
-    slope, icpt = np.polyfit(n, t, 1)
-    alpha = max(icpt / (2 * (k - 1)), 1e-7)
-    beta = 2 * (k - 1) / k / max(slope, 1e-15)
-    return {"devices": k, "psum_seconds": {str(b): s for b, s in times.items()},
+
+    def program(body):
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=PS("d"), out_specs=PS("d")))
+
+    # per kind: the program on shards of n/k bytes, and its (alpha, 1/beta) coefficients
+    # in the cost model at even shards: all-reduce of n, padded all-gather, all-to-all
+    kinds = {
+        "psum": (program(lambda x: jax.lax.psum(x, "d")),
+                 lambda n: (2 * (k - 1), 2 * (k - 1) * n / k)),
+        "all_gather": (program(lambda x: jax.lax.all_gather(x, "d", tiled=True)),
+                       lambda n: (k - 1, (k - 1) * n / k)),
+        "all_to_all": (program(lambda x: jax.lax.all_to_all(x, "d", 0, 0, tiled=True)),
+                       lambda n: (k - 1, (k - 1) * n / k / k)),
+    }
+    times, rows = {}, []
+    for name, (fn, coef) in kinds.items():
+        times[name] = {}
+        for nbytes in sizes:
+            n = max(nbytes // 4 // k // k, 1) * k  # per-device floats, a multiple of k
+            x = jax.make_array_from_callback((k * n,), NamedSharding(mesh, PS("d")),
+                                             lambda idx, n=n: np.ones((n,), np.float32))
+            t = _median_time(fn, x, reps=15)
+            times[name][str(nbytes)] = t
+            rows.append((*coef(4 * n * k), t))
+    a = np.array([(ca / t, cb / t) for ca, cb, t in rows])
+    (alpha, inv_beta), *_ = np.linalg.lstsq(a, np.ones(len(rows)), rcond=None)
+    alpha = max(float(alpha), 1e-7)
+    beta = 1.0 / max(float(inv_beta), 1e-15)
+    return {"devices": k, "psum_seconds": times["psum"],
+            "all_gather_seconds": times["all_gather"], "all_to_all_seconds": times["all_to_all"],
             "latency": alpha, "bandwidth": beta}
 
 

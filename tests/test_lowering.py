@@ -91,6 +91,27 @@ def test_even_plan_lowers_to_jit_with_named_shardings(gspmd):
         compare(hs.gather(got), want)
 
 
+@pytest.mark.parametrize("model", ["gpt", "vgg"])
+def test_shard_map_program_keeps_fast_kernels(model):
+    """Uneven data parallelism (branches): the step's forward and backward stay in one
+    segment (the loss's all-reduce does not split them, so activations need not leave a
+    branch padded; only an embedding's gradient, summed into a partial sum, waits), and every convolution reaches XLA in the layout of its library
+    kernels (backward passes emit others, which XLA CPU otherwise runs in a naive loop)."""
+    import re
+
+    step, args = get(model, "tiny")
+    par = hs.parallelize(step, cluster=CLUSTERS["2+6"](), strategy="data-parallel")
+    low = par.lowered(*args)
+    assert low.mode == "shard_map" and len(low.group_rep) >= 2
+    sharded = [sum(low.plan.op_factors[o] >= 0 for o in seg) for seg in low.segments]
+    assert len(sharded) <= 3 and sum(sharded[1:]) <= 0.01 * sum(sharded), sharded
+    hlo = low._fn.lower(*low._stored(jax.tree.leaves(args))).compile().as_text()
+    labels = re.findall(r"convolution\(.*?dim_labels=([^,\s]+)", hlo)
+    assert (len(labels) > 0) == (model == "vgg")
+    assert set(labels) <= {"b01f_01io->b01f"}, set(labels)
+    compare(hs.gather(low(*args)), jax.jit(step)(*args))
+
+
 layouts = st.sampled_from(["R", "P", "S0", "S1"])
 
 

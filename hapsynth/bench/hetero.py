@@ -5,13 +5,17 @@ Two `jax.distributed` processes on 127.0.0.1 (one CPU device and one core each, 
 lowering's benchmark-only `work_repeat` knob (its branches run r times). In one run,
 per model and speed ratio r:
 
-1. the links are measured (psum sweep) and the compute rate by one even data-parallel
-   run at 1:1; the cluster is that rate for the fast class and rate / r for the slow
-   one (the calibration);
+1. calibration, from runs at 1:1 speeds only: the links (psum, all-gather and
+   all-to-all sweeps, `hapsynth.profile.links`); the compute rate from even data
+   parallelism with every segment run once and twice; then a fixed per-step overhead
+   and the latency a collective really costs inside a step, from that run and the
+   synthesized plans' runs at 1:1. The cluster is the rate for the fast class and
+   rate / r for the slow one;
 2. DP-EV, DP-CP, the synthesized plan and a grid of data-parallel splits (the fast
    device's share of the batch) are lowered and timed alternately, median of `reps`
    after warm-up; `measured_best` is the best grid point;
-3. the cost model's prediction is printed beside each measured time.
+3. the cost model's prediction (plus the fixed overhead) is printed beside each
+   measured time.
 """
 from __future__ import annotations
 
@@ -48,17 +52,20 @@ def _time_steps(runs: dict, reps: int, warmup: int = 2) -> dict:
         for _ in range(warmup):
             out = lowered(out[0], out[1], *batch[name])
         state[name] = jax.block_until_ready(out)
-    if jax.process_count() > 1:
-        from hapsynth.launch import quiet_gloo_loops
-
-        quiet_gloo_loops()  # loop threads opened by the new programs' collectives
     times = {name: [] for name in runs}
-    for _ in range(reps):
-        for name, (lowered, args) in runs.items():
-            t0 = time.perf_counter()
-            out = jax.block_until_ready(lowered(state[name][0], state[name][1], *batch[name]))
-            times[name].append(time.perf_counter() - t0)
-            state[name] = out
+    for timed in (False, True):  # one untimed round in the rotation's order first
+        if jax.process_count() > 1:
+            from hapsynth.launch import quiet_gloo_loops
+
+            quiet_gloo_loops()  # loop threads opened by the new programs' collectives
+        for _ in range(reps if timed else 1):
+            for name, (lowered, args) in runs.items():
+                t0 = time.perf_counter()
+                out = jax.block_until_ready(
+                    lowered(state[name][0], state[name][1], *batch[name]))
+                if timed:
+                    times[name].append(time.perf_counter() - t0)
+                state[name] = out
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -66,6 +73,7 @@ def measure(model: str, config: str, ratios, reps: int, time_limit: float,
             grid=GRID) -> list[dict]:
     """One process's part of the benchmark (runs under `hapsynth.launch`)."""
     import jax
+    import numpy as np
 
     from hapsynth import profile
     from hapsynth.launch import progress
@@ -95,23 +103,57 @@ def measure(model: str, config: str, ratios, reps: int, time_limit: float,
             programs[text] = Lowered(prog, p, devices, work_repeat=(1, 1))
         return programs[text]
 
-    # calibration: the rate at which this machine runs this step, from one measured
-    # data-parallel run at 1:1, as one scale on the cost model's roofline rates
+    # calibration, from runs at 1:1 only (no row's own measurement):
+    # - compute rate: even data parallelism with every segment run once and twice on
+    #   both devices; the difference is the step's compute, one scale on the roofline;
+    # - per-step overhead O (dispatch, segment boundaries; not split, not slowed) and
+    #   the per-collective latency seen inside a step (collective + local pads and
+    #   gathers + waiting): from the data-parallel probe and, at 1:1, the synthesized
+    #   plans (many conversions), two equations in two unknowns.
     probe = plan(_cluster(1e11, 1e10, 1.0, link), strategy="data-parallel", shares=(0.5, 0.5))
+    low = lower(probe)
+    t1 = _time_steps({"probe": (low, args)}, reps)["probe"]
+    low.set_work_repeat((2, 2))
+    t2 = _time_steps({"probe": (low, args)}, reps)["probe"]
     busy = probe.breakdown["compute_per_class"]["fast"]
-    comm = probe.breakdown["inline_comm"] + probe.breakdown["exposed_comm"]
-    t = _time_steps({"probe": (lower(probe), args)}, reps)["probe"]
-    scale = busy / max(t - comm, 1e-6)  # model seconds per measured second
-    progress(f"{model}-{config}: calibrated, 1:1 data parallel {t * 1e3:.1f} ms/step")
+    work = max(t2 - t1, 1e-6)
+    scale = busy / work  # model seconds per measured second
     flops, bandwidth = 1e11 * scale, 1e10 * scale
+    progress(f"{model}-{config}: 1:1 data parallel {t1 * 1e3:.1f} ms/step, "
+             f"{t2 * 1e3:.1f} with every segment twice")
+    splits = sorted({*grid, 0.5, *(r / (r + 1) for r in ratios)})
+
+    def synthesized_at(lnk):
+        return {r: plan(_cluster(flops, bandwidth, r, lnk)) for r in ratios}
+
+    base = plan(_cluster(flops, bandwidth, 1.0, link), strategy="data-parallel",
+                shares=(0.5, 0.5))
+    rhs = [(_latency_steps(base, 2), t1 - work - _comm(base))]
+    for r, p in synthesized_at(link).items():
+        if p.chosen == "synthesized":  # its time at 1:1 speeds: the fast class's compute
+            low = lower(p)
+            t = _time_steps({"plan": (low, args)}, reps)["plan"]
+            busy_p = p.breakdown["compute_per_class"]["fast"]
+            rhs.append((_latency_steps(p, 2), t - busy_p - _comm(p)))
+            progress(f"{model}-{config}: the {r:g}:1 plan at 1:1 speeds {t * 1e3:.1f} ms/step")
+    gamma = 0.0
+    if len(rhs) > 1:  # O + L * gamma = excess, least squares over the probes
+        a = np.array([[1.0, L] for L, _ in rhs])
+        (_, gamma), *_ = np.linalg.lstsq(a, np.array([e for _, e in rhs]), rcond=None)
+        gamma = max(float(gamma), 0.0)
+    overhead = max(float(np.mean([e - L * gamma for L, e in rhs])), 0.0)
+    if link and gamma:
+        link = {**link, "latency": link["latency"] + gamma}
+    progress(f"{model}-{config}: calibrated: {flops / 1e9:.0f} GFLOP/s, overhead "
+             f"{overhead * 1e3:.1f} ms/step, latency in a step "
+             f"{(link or {}).get('latency', 0) * 1e6:.0f} us")
 
     # one program per data-parallel split and per distinct plan, each compiled once:
     # the emulated speed ratio is a runtime input of the program (`set_work_repeat`)
-    splits = sorted({*grid, 0.5, *(r / (r + 1) for r in ratios)})
     clusters = {r: _cluster(flops, bandwidth, r, link) for r in ratios}
     dp = {r: {s: plan(clusters[r], strategy="data-parallel", shares=(s, 1 - s)) for s in splits}
           for r in ratios}
-    synthesized = {r: plan(clusters[r]) for r in ratios}
+    synthesized = synthesized_at(link)
     progress(f"{model}-{config}: planned {len(ratios) * (len(splits) + 1)} programs")
     lowered = {}
     for r in ratios:
@@ -132,17 +174,36 @@ def measure(model: str, config: str, ratios, reps: int, time_limit: float,
         rows.append({
             "model": f"{model}-{config}", "ratio": f"{r:g}:1",
             "measured": {k: measured[k] for k in ("DP-EV", "DP-CP", "plan")},
-            "predicted": {"DP-EV": dp[r][0.5].predicted_step_time,
-                          "DP-CP": dp[r][fast].predicted_step_time,
-                          "plan": synthesized[r].predicted_step_time},
+            "predicted": {"DP-EV": dp[r][0.5].predicted_step_time + overhead,
+                          "DP-CP": dp[r][fast].predicted_step_time + overhead,
+                          "plan": synthesized[r].predicted_step_time + overhead},
             "measured_best": grid_times[best],
             "measured_best_share": float(best),
             "grid": grid_times,
-            "grid_predicted": {f"{s:.2f}": dp[r][s].predicted_step_time for s in grid},
+            "grid_predicted": {f"{s:.2f}": dp[r][s].predicted_step_time + overhead
+                               for s in grid},
             "plan_chosen": synthesized[r].chosen,
             "plan_ratios": synthesized[r].ratios,
-            "calibration": {"flops": flops, "mem_bandwidth": bandwidth, "link": link}})
+            "calibration": {"flops": flops, "mem_bandwidth": bandwidth, "link": link,
+                            "overhead": overhead, "latency_in_step": gamma,
+                            "probe_1to1": t1, "probe_twice": t2}})
     return rows
+
+
+def _latency_steps(plan, k: int) -> int:
+    """Latency terms (alpha) the cost model charges `plan` on k devices: each inline
+    collective's steps, and one all-reduce's for the combined gradient collectives."""
+    steps = 0
+    for c in plan.conversions:
+        if c.deferred or not c.seconds:
+            continue
+        twice = c.collective == "all_reduce" or c.form == "grouped"
+        steps += 2 * (k - 1) if twice else k - 1
+    return steps + (2 * (k - 1) if any(c.deferred for c in plan.conversions) else 0)
+
+
+def _comm(plan) -> float:
+    return plan.breakdown["inline_comm"] + plan.breakdown["exposed_comm"]
 
 
 def run(models, ratios=(2, 3), reps: int = 8, time_limit: float = 5.0) -> list[dict]:

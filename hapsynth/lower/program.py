@@ -8,6 +8,10 @@ The flat program is interpreted eqn by eqn inside the shard_map body:
   shard sizes): branch g slices its operands to group g's static sizes, binds the
   primitive with params resized for them, and pads results back to the stored size.
 XLA executes only the taken branch, so a device computes only its own share.
+Ops are grouped into as few such *segments* as the conversions allow (see `_segments`);
+partial sums converted together (a step's gradients) are summed as one flat bucket; and
+two layouts XLA CPU runs slowly inside a `shard_map` body are avoided (a dot whose
+result is transposed next, a convolution not in its library kernels' layout).
 
 `work_repeat` (benchmarks only, never part of a plan) emulates slower devices on equal
 hardware: device i evaluates every segment `work_repeat[i]` times. Repeating the same
@@ -17,6 +21,10 @@ element of every operand in place by `where(flag, 1, 0)` (`flag` a runtime False
 carries the segment's results out of the loop. Values are unchanged, yet XLA can
 neither merge, hoist nor drop a repeat, and no extra elementwise work is fused into
 the repeated ops (their matmuls stay library calls). Counts change without recompiling.
+The repeats sit in a `cond` taken only when the count exceeds one, so a device that does
+not repeat runs the plain segment. Repeats find their operands warm in cache, so r
+repeats cost less than r first runs: the emulated device is somewhat less than r times
+slower (`hapsynth bench hetero` calibrates against this harness, not against r).
 """
 from __future__ import annotations
 
@@ -68,6 +76,18 @@ class Lowered:
             Layout.parse(plan.tensor_layouts[o]) if i < n_state and isinstance(o, int) else Layout("R")
             for i, o in enumerate(outs)]
         self.segments = self._segments()
+        self.exports = self._exports()
+        # a matmul whose result is transposed next (the weight gradients of a backward
+        # pass): XLA would fold the transpose into the dot, and on CPU the folded dot
+        # misses the fast matmul library (measured 1.6x slower); a barrier keeps it
+        readers = {}
+        for eqn in prog.eqns:
+            for x in eqn.inputs:
+                if isinstance(x, int):
+                    readers.setdefault(x, set()).add(eqn.primitive.name)
+        self.keep_dot = {i for i, eqn in enumerate(prog.eqns)
+                         if eqn.primitive.name == "dot_general"
+                         and any("transpose" in readers.get(t, ()) for t in eqn.outputs)}
         # the collective form the plan priced, per (tensor, target layout)
         self.forms = {(c.tensor, Layout.parse(c.dst)): c.form for c in plan.conversions}
         for i in range(plan.state_leaves):  # a state input is converted like its update
@@ -174,6 +194,25 @@ class Lowered:
             return lax.slice_in_dim(z, 0, shape[src.dim], axis=src.dim)
         raise NotImplementedError(f"conversion {src} -> {dst}")
 
+    def _sum_together(self, keys, env) -> dict:
+        """P -> R for several tensors in one psum per dtype (flattened, concatenated):
+        a backend may run a combined all-reduce buffer by buffer (gloo pays its latency
+        per buffer), so the gradients of a step are summed as one bucket."""
+        by_dtype: dict = {}
+        for key in keys:
+            by_dtype.setdefault(jnp.dtype(env[key[0]][0].dtype), []).append(key)
+        out = {}
+        for group in by_dtype.values():
+            if len(group) < 2:
+                continue
+            vals = [env[k[0]][0] for k in group]
+            total = lax.psum(jnp.concatenate([v.reshape(-1) for v in vals]), AXIS)
+            at = 0
+            for k, v in zip(group, vals):
+                out[k] = total[at:at + v.size].reshape(v.shape)
+                at += v.size
+        return out
+
     def _all_to_all(self, v, src: Layout, dst: Layout, shape):
         """S(a) -> S(b): padded all-to-all; each device sends block j of its rows to j."""
         gs, gd = self._geom(src, shape), self._geom(dst, shape)
@@ -183,32 +222,54 @@ class Lowered:
         return jnp.take(moved, jnp.asarray(gs.compact_index()), axis=src.dim)
 
     def _segments(self) -> list[list[int]]:
-        """Cut the program where an operand made inside the current run needs converting.
+        """Group the ops into as few segments as the conversions allow.
 
-        Conversions of values made earlier are hoisted before the segment, so each
-        segment is one switch with every collective outside it."""
+        An op that needs a value made in the current segment converted must wait for a
+        later segment, and so must every op reading its results; all other ops stay
+        (the program is pure, so any topological order computes the same values).
+        Conversions of values made earlier are hoisted before a segment, so each segment
+        is one switch with every collective outside it. Few segments matter: a value
+        leaving a segment is materialised (and padded), where inside one XLA fuses it
+        (the loss's all-reduce no longer splits a step's forward from its backward)."""
         prog, plan = self.prog, self.plan
-        segments, current, made = [], [], set()
-        for op_id, eqn in enumerate(prog.eqns):
-            cut = False
-            for x, need in zip(eqn.inputs, plan.op_inputs[op_id]):
-                if isinstance(x, int) and x in made and need is not None \
-                        and Layout.parse(plan.tensor_layouts[x]) != Layout.parse(need):
-                    cut = True
-            if cut and current:
-                segments.append(current)
-                current, made = [], set()
-            current.append(op_id)
-            made.update(eqn.outputs)
-        if current:
+        segments, remaining = [], list(range(len(prog.eqns)))
+        while remaining:
+            current, made, waiting, later = [], set(), set(), []
+            for op_id in remaining:
+                eqn = prog.eqns[op_id]
+                blocked = any(
+                    isinstance(x, int) and (x in waiting or x in made and need is not None and
+                                            Layout.parse(plan.tensor_layouts[x])
+                                            != Layout.parse(need))
+                    for x, need in zip(eqn.inputs, plan.op_inputs[op_id]))
+                if blocked:
+                    later.append(op_id)
+                    waiting.update(eqn.outputs)
+                else:
+                    current.append(op_id)
+                    made.update(eqn.outputs)
             segments.append(current)
+            remaining = later
         return segments
 
-    def _run_segment(self, seg, ext, dev):
+    def _exports(self) -> list[list[int]]:
+        """Per segment, the tensors it makes that a later segment or the output reads
+        (only these leave its branch)."""
+        prog = self.prog
+        later = {o for o in prog.outputs if isinstance(o, int)}
+        exports = []
+        for seg in reversed(self.segments):
+            made = [t for op_id in seg for t in prog.eqns[op_id].outputs]
+            exports.append([t for t in made if t in later])
+            later.update(x for op_id in seg for x in prog.eqns[op_id].inputs
+                         if isinstance(x, int))
+        return exports[::-1]
+
+    def _run_segment(self, seg, ext, dev, exports):
         """Evaluate a segment's ops for the devices of `dev`'s group (None: full size).
 
         `ext` maps (tensor, layout) of operands made before the segment to stored values;
-        returns every produced tensor, S-layout ones padded back to their stored size."""
+        returns the `exports`, S-layout ones padded back to their stored size."""
         prog, plan = self.prog, self.plan
         local = {}
 
@@ -237,25 +298,29 @@ class Lowered:
                         shape[lay.dim] = Geometry.of(lay, aval.shape, self.units).rows[dev]
                     shapes.append(shape)
                 params = local_params(eqn, [np.shape(v) for v in vals], shapes)
-            outs = _jax.bind(eqn.primitive, vals, params)
-            outs = list(outs) if eqn.primitive.multiple_results else [outs]
+            if eqn.primitive.name == "conv_general_dilated":
+                outs = [_canonical_conv(eqn.primitive, vals, params)]
+            else:
+                outs = _jax.bind(eqn.primitive, vals, params)
+                outs = list(outs) if eqn.primitive.multiple_results else [outs]
+            if op_id in self.keep_dot:
+                outs = list(lax.optimization_barrier(outs))
             local.update(zip(eqn.outputs, outs))
         result = []
-        for op_id in seg:
-            for t in prog.eqns[op_id].outputs:
-                v, lay = local[t], Layout.parse(plan.tensor_layouts[t])
-                if lay.kind == "S" and dev is not None:
-                    pad = [(0, 0)] * v.ndim
-                    pad[lay.dim] = (0, Geometry.of(lay, prog.avals[t].shape, self.units).pad
-                                    - v.shape[lay.dim])
-                    v = jnp.pad(v, pad)
-                result.append(v)
+        for t in exports:
+            v, lay = local[t], Layout.parse(plan.tensor_layouts[t])
+            if lay.kind == "S" and dev is not None:
+                pad = [(0, 0)] * v.ndim
+                pad[lay.dim] = (0, Geometry.of(lay, prog.avals[t].shape, self.units).pad
+                                - v.shape[lay.dim])
+                v = jnp.pad(v, pad)
+            result.append(v)
         return result
 
-    def _repeated(self, seg, keys, dev, extra):
+    def _repeated(self, seg, exports, keys, dev, extra):
         """Branch function of `dev`'s group: the segment, then (emulating) its repeats."""
         def once(*a):
-            return tuple(self._run_segment(seg, dict(zip(keys, a)), dev))
+            return tuple(self._run_segment(seg, dict(zip(keys, a)), dev, exports))
 
         if extra is None:
             return once
@@ -280,8 +345,17 @@ class Lowered:
             b = nudge(carry[0])
             return b, once(*b)
 
+        inputs = {(t, lay) for t, lay in zip(self.prog.inputs, self.in_layouts)}
+        entry = [k in inputs for k in keys]
+
         def repeated(*a):
-            return lax.fori_loop(0, count - 1, again, (a, once(*a)))[1]
+            # the loop updates its operands in place; for the step's own (read-only)
+            # inputs XLA would copy them before the branch, on every device, so this
+            # branch makes its own copies of those
+            b = tuple(v + jnp.where(flag, 1, 0).astype(v.dtype)
+                      if e and v.size and jnp.issubdtype(v.dtype, jnp.number) else v
+                      for v, e in zip(a, entry))
+            return lax.fori_loop(0, count - 1, again, (b, once(*b)))[1]
 
         # a device that does not repeat runs the plain segment: both branches compute
         # their results in place, so the fast device pays nothing for the knob
@@ -300,7 +374,7 @@ class Lowered:
             env[t] = (v, Layout("R"))
         converted = {}
         group = jnp.asarray(self.group_of)[lax.axis_index(AXIS)]
-        for seg in self.segments:
+        for seg, exports in zip(self.segments, self.exports):
             made = {t for op_id in seg for t in prog.eqns[op_id].outputs}
             keys = []
             for op_id in seg:
@@ -309,6 +383,9 @@ class Lowered:
                     if isinstance(x, int) and x not in made:
                         keys.append((x, Layout.parse(n)))
             keys = list(dict.fromkeys(keys))
+            converted.update(self._sum_together(
+                [k for k in keys if k not in converted and k[1].kind == "R"
+                 and env[k[0]][1].kind == "P"], env))
             for key in keys:
                 if key not in converted:
                     v, lay = env[key[0]]
@@ -317,12 +394,11 @@ class Lowered:
             args = [converted[k] for k in keys]
             sharded = any(plan.op_factors[o] >= 0 for o in seg) and len(self.group_rep) > 1
             if sharded:
-                outs = lax.switch(group, [self._repeated(seg, keys, d, extra)
+                outs = lax.switch(group, [self._repeated(seg, exports, keys, d, extra)
                                           for d in self.group_rep], *args)
             else:
-                outs = self._repeated(seg, keys, self.group_rep[0], extra)(*args)
-            produced = [t for op_id in seg for t in prog.eqns[op_id].outputs]
-            for t, o in zip(produced, outs):
+                outs = self._repeated(seg, exports, keys, self.group_rep[0], extra)(*args)
+            for t, o in zip(exports, outs):
                 env[t] = (o, Layout.parse(plan.tensor_layouts[t]))
         results = []
         for o, want, aval in zip(prog.outputs, self.out_layouts, self._out_avals()):
@@ -404,6 +480,32 @@ class Lowered:
                 wrapped.append(Sharded(o, _text(lay), aval.shape,
                                        self.units.get(lay.units) if lay.kind == "S" else None))
         return jax.tree.unflatten(self.prog.out_tree, wrapped)
+
+
+def _canonical_conv(primitive, vals, params):
+    """A convolution bound in the layout XLA's CPU library kernels take (batch, spatial,
+    feature; spatial, in, out), with explicit transposes around it. Backward passes
+    emit convolutions in other layouts; XLA's own partitioner canonicalises them, but
+    inside a `shard_map` body they reach the naive loop emitter (measured 28x slower
+    on vgg-small). Barriers keep XLA from folding the transposes back in."""
+    dn = params["dimension_numbers"]
+    lhs, rhs, out = dn.lhs_spec, dn.rhs_spec, dn.out_spec
+    n = len(lhs)
+    nhwc = (0, n - 1, *range(1, n - 1))
+    hwio = (n - 1, n - 2, *range(n - 2))
+    if tuple(lhs) == nhwc and tuple(rhs) == hwio and tuple(out) == nhwc:
+        return _jax.bind(primitive, vals, params)
+    x = jnp.transpose(vals[0], (lhs[0], *lhs[2:], lhs[1]))
+    w = jnp.transpose(vals[1], (*rhs[2:], rhs[1], rhs[0]))
+    x, w = lax.optimization_barrier((x, w))
+    y = _jax.bind(primitive, [x, w], {**params, "dimension_numbers": type(dn)(
+        lhs_spec=nhwc, rhs_spec=hwio, out_spec=nhwc)})
+    y = lax.optimization_barrier(y)
+    axes = [0] * n
+    axes[out[0]], axes[out[1]] = 0, n - 1
+    for i, d in enumerate(out[2:]):
+        axes[d] = 1 + i
+    return jnp.transpose(y, axes)
 
 
 def _text(lay: Layout) -> str:
