@@ -1,10 +1,11 @@
 """`hapsynth profile`: measure this machine's devices and links, write a cluster TOML.
 
 Compute: a matmul sweep gives effective FLOP/s (the best size's rate; the sweep is
-reported), a large elementwise op gives memory bandwidth. Links: a psum sweep over
-all devices is fitted to the cost model's ring all-reduce,
-``2(k-1) * (alpha + n/k / beta)``, by least squares on ``n``; with one device there is
-no link to measure and the TOML keeps the default links. Each figure is the median of
+reported), a large elementwise op gives memory bandwidth. Links: psum, all-gather and
+all-to-all sweeps over all devices are fitted to the cost model's formulas for them
+(e.g. ring all-reduce ``2(k-1) * (alpha + n/k / beta)``) by least squares on the
+relative error; with one device there is no link to measure and the TOML keeps the
+default links. Each figure is the median of
 timed runs after warm-up.
 """
 from __future__ import annotations
@@ -149,6 +150,6 @@ def to_toml(result: dict, *, name: str = "profiled", count: int | None = None,
     if memory:
         lines.append(f'memory = "{memory}"')
     if ln:
-        lines += ["", "[links.intra_host]", 'name = "measured psum"',
+        lines += ["", "[links.intra_host]", 'name = "measured collectives"',
                   f"bandwidth = {ln['bandwidth']:.6g}", f"latency = {ln['latency']:.6g}"]
     return "\n".join(lines) + "\n"

@@ -45,6 +45,8 @@ def _time_steps(runs: dict, reps: int, warmup: int = 2) -> dict:
     """Alternate the programs step by step; median seconds per step of each."""
     import jax
 
+    from hapsynth.launch import quiet_gloo_loops
+
     state, batch = {}, {}
     for name, (lowered, args) in runs.items():
         batch[name] = lowered.shard(*args)[2:]  # fed once, as the program reads it
@@ -55,8 +57,6 @@ def _time_steps(runs: dict, reps: int, warmup: int = 2) -> dict:
     times = {name: [] for name in runs}
     for timed in (False, True):  # one untimed round in the rotation's order first
         if jax.process_count() > 1:
-            from hapsynth.launch import quiet_gloo_loops
-
             quiet_gloo_loops()  # loop threads opened by the new programs' collectives
         for _ in range(reps if timed else 1):
             for name, (lowered, args) in runs.items():

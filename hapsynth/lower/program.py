@@ -326,17 +326,22 @@ class Lowered:
             return once
         flag, count = extra
 
+        def numeric(v):
+            return v.size and jnp.issubdtype(v.dtype, jnp.number)
+
+        def zero(v):  # a runtime zero (flag is False) XLA cannot fold away
+            return jnp.where(flag, 1, 0).astype(v.dtype)
+
         def nudge(vals):
             # one element each, in place: the operands become loop-variant (so XLA cannot
             # hoist or merge the repeat) at O(1) cost, and no elementwise op is fused into
             # their consumers (a matmul stays a library matmul)
             out = []
             for v in vals:
-                if v.size and jnp.issubdtype(v.dtype, jnp.number):
+                if numeric(v):
                     at = (0,) * v.ndim
                     corner = lax.dynamic_slice(v, at, (1,) * v.ndim)
-                    v = lax.dynamic_update_slice(
-                        v, corner + jnp.where(flag, 1, 0).astype(v.dtype), at)
+                    v = lax.dynamic_update_slice(v, corner + zero(v), at)
                 out.append(v)
             return tuple(out)
 
@@ -352,9 +357,7 @@ class Lowered:
             # the loop updates its operands in place; for the step's own (read-only)
             # inputs XLA would copy them before the branch, on every device, so this
             # branch makes its own copies of those
-            b = tuple(v + jnp.where(flag, 1, 0).astype(v.dtype)
-                      if e and v.size and jnp.issubdtype(v.dtype, jnp.number) else v
-                      for v, e in zip(a, entry))
+            b = tuple(v + zero(v) if e and numeric(v) else v for v, e in zip(a, entry))
             return lax.fori_loop(0, count - 1, again, (b, once(*b)))[1]
 
         # a device that does not repeat runs the plain segment: both branches compute
