@@ -3,8 +3,10 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
+WHEEL   = build/wheel
+WHEELENV = build/wheel-venv
 
-.PHONY: demo test test-all install clean
+.PHONY: demo test test-slow test-all install clean wheel-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,9 +21,25 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+	$(MAKE) wheel-check
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -m "slow or not slow"
+
+# a non-editable install works: the wheel, installed with its dependencies in a fresh
+# venv, runs the CLI (presets are package data, bench is hapsynth_bench) outside the repo
+wheel-check: $(STAMP)
+	rm -rf $(WHEEL) $(WHEELENV) build/lib build/bdist.*
+	$(BIN)/python -m pip wheel -q --no-deps -w $(WHEEL) .
+	$(PYTHON) -m venv $(WHEELENV)
+	$(WHEELENV)/bin/python -m pip install -q $(WHEEL)/hapsynth-*.whl
+	H=$(abspath $(WHEELENV))/bin/hapsynth; D=$$(mktemp -d); trap 'rm -rf "$$D"' EXIT; \
+	cd "$$D" && set -x && $$H inspect mlp && \
+	$$H plan mlp --config tiny --cluster cpu-2-6 --time-limit 1 && \
+	JAX_NUM_CPU_DEVICES=8 $$H bench overhead --reps 2
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,6 +1,7 @@
 """Plan every zoo `paper` config on heterogeneous presets; write a markdown table.
 
     .venv/bin/python benchmarks/plan_zoo.py [--time-limit 10] [--out benchmarks/PLANS.md]
+    .venv/bin/python -m hapsynth_bench.plan_zoo ...        (the same, installed)
 
 Figures are the cost model's predictions (no GPU runs here): predicted step time,
 speed-up over DP-EV and DP-CP priced by the same model, the fraction of the ideal
@@ -19,6 +20,9 @@ import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if not __package__:  # run as a script: this folder's modules are the package hapsynth_bench,
+    _here = os.path.dirname(os.path.abspath(__file__))  # not top-level `cli`, `launch`, ...
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
 
 import hapsynth as hs  # noqa: E402
 from hapsynth.models import ZOO, get, names  # noqa: E402

@@ -1,17 +1,21 @@
-"""The public API (DESIGN.md "Public API"): what users import as `hapsynth as hs`."""
+"""The public API: what users import as `hapsynth as hs` (parallelize, inspect, gather)."""
 from __future__ import annotations
 
 import functools
 
 import jax
 
+from hapsynth.cluster import Cluster
 from hapsynth.ir import inspect as _inspect
 from hapsynth.ir import lift
+from hapsynth.ir.signature import of_graph
+from hapsynth.lower.devices import local_devices
 from hapsynth.lower.program import Lowered
 from hapsynth.lower.values import Sharded
-from hapsynth.synth.cluster import Cluster
 from hapsynth.synth.plan import Plan
-from hapsynth.synth.synthesize import synthesize
+from hapsynth.synth.synthesize import Options, data_parallel_plan, synthesize
+
+STRATEGIES = ("auto", "data-parallel")
 
 
 def inspect(train_step, *example_args) -> dict:
@@ -71,12 +75,38 @@ def from_process_zero(text: str | None) -> str:
     return bytes(np.asarray(mh.broadcast_one_to_all(buf))).decode()
 
 
-def synthesize_once(graph, cluster, **options) -> Plan:
-    """`synthesize` on process 0 only; with several processes the plan is shared."""
-    plan = synthesize(graph, cluster, **options) if jax.process_index() == 0 else None
+def make_plan(graph, cluster, *, num_state_leaves: int, data_inputs, strategy: str = "auto",
+              shares=None, **options) -> Plan:
+    """A synthesized plan (`strategy="auto"`, `options` as in `synthesize.Options`), or data
+    parallelism (`"data-parallel"`, at FLOP/s-proportional `shares` unless given)."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if strategy == "data-parallel":
+        return data_parallel_plan(graph, cluster, num_state_leaves=num_state_leaves,
+                                  data_inputs=data_inputs, shares=shares)
+    if shares is not None:
+        raise ValueError("shares= applies to strategy='data-parallel' only")
+    return synthesize(graph, cluster, num_state_leaves=num_state_leaves, data_inputs=data_inputs,
+                      options=Options(**options))
+
+
+def synthesize_once(graph, cluster, **kw) -> Plan:
+    """`make_plan` on process 0 only; with several processes the plan is shared."""
+    plan = make_plan(graph, cluster, **kw) if jax.process_index() == 0 else None
     if jax.process_count() > 1:
         plan = Plan.from_json(from_process_zero(plan and plan.to_json()))
     return plan
+
+
+def donated_leaves(args, donate_argnums) -> list[int]:
+    """Flat leaf indices of the arguments `donate_argnums` names (as in `jax.jit`)."""
+    nums = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+    for i in nums:
+        if not -len(args) <= i < len(args):
+            raise ValueError(f"donate_argnums has {i}, but the step takes {len(args)} arguments")
+    counts = [len(jax.tree.leaves(a, is_leaf=_is_sharded)) for a in args]
+    starts = [sum(counts[:i]) for i in range(len(args))]
+    return [starts[i] + k for i in sorted({n % len(args) for n in nums}) for k in range(counts[i])]
 
 
 class Parallelized:
@@ -84,10 +114,13 @@ class Parallelized:
 
     def __init__(self, train_step, cluster: Cluster, *, donate_argnums=(), time_limit: float = 10.0,
                  seed: int = 0, workers: int = 2, strategy: str = "auto", shares=None,
-                 min_gain: float = 0.05):
+                 min_gain: float = 0.05, plan: Plan | None = None):
         self.train_step = train_step
+        self.given_plan = plan  # a saved plan to use instead of synthesising (checked)
         self.cluster = cluster if isinstance(cluster, Cluster) else Cluster.load(cluster)
         self.donate_argnums = donate_argnums
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         self.options = {"time_limit": time_limit, "seed": seed, "workers": workers,
                         "strategy": strategy, "shares": shares,
                         "min_gain": min_gain}
@@ -104,9 +137,13 @@ class Parallelized:
             k = state_arity(self.train_step, args)
             nstate = len(jax.tree.leaves(args[:k]))
             prog, graph = lift(self.train_step, *args)
+            if self.given_plan is not None:
+                self.given_plan.check(of_graph(graph), self.cluster)  # names what differs
+                self._plans[key] = self.given_plan
+            else:
+                self._plans[key] = synthesize_once(graph, self.cluster, num_state_leaves=nstate,
+                                                   data_inputs=graph.inputs[nstate:], **self.options)
             self._programs[key] = prog
-            self._plans[key] = synthesize_once(graph, self.cluster, num_state_leaves=nstate,
-                                               data_inputs=graph.inputs[nstate:], **self.options)
         return self._plans[key]
 
     def lowered(self, *args) -> Lowered:
@@ -114,7 +151,8 @@ class Parallelized:
         key = signature_of(args)
         if key not in self._lowered:
             plan = self.plan(*args)
-            self._lowered[key] = Lowered(self._programs[key], plan, self.cluster.jax_devices())
+            self._lowered[key] = Lowered(self._programs[key], plan, local_devices(self.cluster),
+                                         donate=donated_leaves(args, self.donate_argnums))
         return self._lowered[key]
 
     def shard(self, *args):
@@ -136,7 +174,13 @@ class Parallelized:
 
 
 def parallelize(train_step=None, *, cluster, donate_argnums=(), **options):
-    """`hs.parallelize(step, cluster=...)` or `@hs.parallelize(cluster=...)`."""
+    """`hs.parallelize(step, cluster=...)` or `@hs.parallelize(cluster=...)`.
+
+    `donate_argnums` as in `jax.jit`: those arguments' buffers (e.g. params and optimizer
+    state fed back from the previous step) are reused by the step and deleted. `plan=` a
+    saved `hs.Plan` uses it instead of synthesising; it must be for this very program.
+    Other options: `time_limit`, `seed`, `workers`, `min_gain`, `strategy` ("auto" or
+    "data-parallel"), `shares` (data-parallel only)."""
     if train_step is None:
         return lambda fn: Parallelized(fn, cluster, donate_argnums=donate_argnums, **options)
     return Parallelized(train_step, cluster, donate_argnums=donate_argnums, **options)

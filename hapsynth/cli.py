@@ -62,31 +62,44 @@ def cmd_plan(args) -> int:
     else:
         print(f"{args.model} ({args.config}, batch for {cluster.num_devices} devices)")
         print(plan.summary())
+        if args.explain:
+            print(plan.explain())
     if args.out:
         with open(args.out, "w") as f:
             f.write(plan.to_json())
     return 0
 
 
+def _harness(module: str, command: str):
+    """A module of the measurement harness `hapsynth_bench` (installed with hapsynth);
+    None, with a one-line error, where it is missing."""
+    import importlib
+
+    try:
+        return importlib.import_module(f"hapsynth_bench.{module}")
+    except ModuleNotFoundError as err:
+        if err.name not in ("hapsynth_bench", f"hapsynth_bench.{module}"):
+            raise
+        print(f"hapsynth {command}: needs the measurement harness (package hapsynth_bench), "
+              "which is not installed", file=sys.stderr)
+        return None
+
+
 def cmd_bench(args) -> int:
-    if args.kind == "overhead":
-        from hapsynth.bench import overhead
-
-        return overhead.main(args.model or "gpt", args.config or "tiny", args.reps or 20)
-    from hapsynth.bench import hetero
-
-    models = [args.model + "-" + (args.config or "tiny")] if args.model else list(hetero.MODELS)
-    rows = hetero.run(models, ratios=args.ratios, reps=args.reps or 8)
-    print(json.dumps(rows, indent=1) if args.json else hetero.format_rows(rows))
-    return 0
+    cli = _harness("cli", "bench")
+    if cli is None:
+        return 2
+    return cli.bench(args.kind, model=args.model, config=args.config, reps=args.reps,
+                     ratios=args.ratios, as_json=args.json)
 
 
 def cmd_profile(args) -> int:
     from hapsynth import profile
 
     if args.processes > 1:
-        from hapsynth import launch
-
+        launch = _harness("launch", "profile --processes")
+        if launch is None:
+            return 2
         result = launch.run("hapsynth.profile:profile", {}, processes=args.processes)
     else:
         result = profile.profile()
@@ -125,8 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--seed", type=int, default=0)
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.add_argument("--out", help="also write the plan's JSON to this file")
+    pl.add_argument("--explain", action="store_true",
+                    help="also print, per node, its ops, strategy, layouts and conversions")
     pl.set_defaults(func=cmd_plan)
-    be = sub.add_parser("bench", help="benchmarks measured side by side (see hapsynth/bench/)")
+    be = sub.add_parser("bench", help="benchmarks measured side by side (package hapsynth_bench)")
     be.add_argument("kind", choices=["overhead", "hetero"])
     be.add_argument("--model", choices=names(), help="default: gpt (overhead), a set (hetero)")
     be.add_argument("--config", choices=list(CONFIG_NAMES), help="default: tiny")

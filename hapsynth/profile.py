@@ -13,6 +13,9 @@ from __future__ import annotations
 import statistics
 import time
 
+from hapsynth.cluster import DEFAULT_LINKS, Cluster, DeviceClass, LinkLevel, catalogue, schema
+from hapsynth.synth import collectives
+
 MATMUL_SIZES = (128, 256, 512, 1024)
 PSUM_BYTES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)
 
@@ -84,11 +87,11 @@ def links(sizes=PSUM_BYTES) -> dict | None:
     # in the cost model at even shards: all-reduce of n, padded all-gather, all-to-all
     kinds = {
         "psum": (program(lambda x: jax.lax.psum(x, "d")),
-                 lambda n: (2 * (k - 1), 2 * (k - 1) * n / k)),
+                 lambda n: collectives.even_terms(collectives.ALL_REDUCE, k, n)),
         "all_gather": (program(lambda x: jax.lax.all_gather(x, "d", tiled=True)),
-                       lambda n: (k - 1, (k - 1) * n / k)),
+                       lambda n: collectives.even_terms(collectives.ALL_GATHER, k, n)),
         "all_to_all": (program(lambda x: jax.lax.all_to_all(x, "d", 0, 0, tiled=True)),
-                       lambda n: (k - 1, (k - 1) * n / k / k)),
+                       lambda n: collectives.even_terms(collectives.ALL_TO_ALL, k, n)),
     }
     times, rows = {}, []
     for name, (fn, coef) in kinds.items():
@@ -117,8 +120,6 @@ def profile(dtype: str = "float32") -> dict:
 def _catalogue_type(platform: str, kind: str) -> str:
     """The catalogue type for a JAX device kind ("NVIDIA H100 80GB HBM3" -> "H100");
     unknown kinds fall back to "CPU" (the measured numbers override it anyway)."""
-    from hapsynth.synth import catalogue
-
     if platform == "cpu":
         return "CPU"
     words = kind.replace("NVIDIA", "").split()
@@ -131,6 +132,11 @@ def _catalogue_type(platform: str, kind: str) -> str:
     return "CPU"
 
 
+def _6g(x: float) -> float:
+    """``x`` to 6 significant digits: a measurement, not more precise than that."""
+    return float(f"{x:.6g}")
+
+
 def to_toml(result: dict, *, name: str = "profiled", count: int | None = None,
             memory: str | None = None) -> str:
     """A cluster TOML of `count` devices like the profiled one (default: all of them)."""
@@ -138,18 +144,17 @@ def to_toml(result: dict, *, name: str = "profiled", count: int | None = None,
 
     c, ln = result["compute"], result["links"]
     count = count or (ln["devices"] if ln else 1)
-    typ = _catalogue_type(c["platform"], c["device_kind"])
-    lines = [f"# written by `hapsynth profile` on {time.strftime('%Y-%m-%d')}: "
-             f"{c['device_kind']} ({c['platform']}), jax {jax.__version__}",
-             "# matmul FLOP/s by size: " + ", ".join(
-                 f"{n}: {v / 1e9:.3g}G" for n, v in c["matmul_flops"].items()),
-             f'name = "{name}"', "", "[[class]]", f'type = "{typ}"', 'name = "profiled"',
-             f"count = {count}", "host = 0", f"flops = {c['flops']:.6g}",
-             f"mem_bandwidth = {c['mem_bandwidth']:.6g}"]
-    memory = memory or (f"{c['memory']}B" if c.get("memory") else None)
-    if memory:
-        lines.append(f'memory = "{memory}"')
+    devices = DeviceClass.from_catalogue(
+        _catalogue_type(c["platform"], c["device_kind"]), count, name="profiled",
+        hosts=(0,) * count, flops=_6g(c["flops"]), mem_bandwidth=_6g(c["mem_bandwidth"]),
+        memory=memory or c.get("memory") or None)
+    links = DEFAULT_LINKS
     if ln:
-        lines += ["", "[links.intra_host]", 'name = "measured collectives"',
-                  f"bandwidth = {ln['bandwidth']:.6g}", f"latency = {ln['latency']:.6g}"]
-    return "\n".join(lines) + "\n"
+        measured = LinkLevel("measured collectives", _6g(ln["latency"]), _6g(ln["bandwidth"]))
+        links = (measured,) + DEFAULT_LINKS[1:]
+    cluster = Cluster((devices,), links, name)
+    comments = [f"written by `hapsynth profile` on {time.strftime('%Y-%m-%d')}: "
+                f"{c['device_kind']} ({c['platform']}), jax {jax.__version__}",
+                "matmul FLOP/s by size: " + ", ".join(
+                    f"{n}: {v / 1e9:.3g}G" for n, v in c["matmul_flops"].items())]
+    return schema.to_toml(cluster.name, cluster.classes, cluster.links, comments=comments)

@@ -1,4 +1,4 @@
-"""The emulation harness of `hapsynth bench hetero`: slow-device knob, launcher, profile."""
+"""The measurement harness (`hapsynth_bench`): slow-device emulation, launcher, profile."""
 from __future__ import annotations
 
 import jax
@@ -6,22 +6,27 @@ import numpy as np
 import pytest
 
 import hapsynth as hs
-from hapsynth import launch, profile
+from hapsynth import profile
+from hapsynth.lower.devices import local_devices
 from hapsynth.lower.program import Lowered
 from hapsynth.models import get
+from hapsynth_bench import launch
+from hapsynth_bench.emulation import WorkRepeat
 from test_lowering import CLUSTERS, compare
 
 
 def test_work_repeat_keeps_values_and_really_runs():
-    """Device i runs each segment work_repeat[i] times (a runtime count): the results are
+    """Device i runs each segment counts[i] times (a runtime count): the results are
     unchanged, and the repeats are not eliminated by XLA: perturbing their operands
-    (flag=True) changes the results exactly when some device repeats."""
+    (flag=True) changes the results exactly when some device repeats. Counts change
+    without recompiling."""
     step, args = get("mlp", "tiny")
     par = hs.parallelize(step, cluster=CLUSTERS["2+6"](), time_limit=1)
     plan = par.plan(*args)
     prog = par._programs[next(iter(par._programs))]
-    slow = Lowered(prog, plan, par.cluster.jax_devices(), work_repeat=(1, 1) + (3,) * 6)
-    assert slow.emulating and slow.mode == "shard_map"
+    emulate = WorkRepeat((1, 1) + (3,) * 6)
+    slow = Lowered(prog, plan, local_devices(par.cluster), branch_hook=emulate)
+    assert slow.mode == "shard_map"
     got, want = args[:2], args[:2]
     for _ in range(2):
         want = jax.jit(step)(*want[:2], args[2])
@@ -30,22 +35,69 @@ def test_work_repeat_keeps_values_and_really_runs():
     ref = jax.jit(step)(*args)
     for repeat, changes in (((1,) * 8, False), ((1, 1) + (2,) * 6, True),
                             ((2,) + (1,) * 7, True)):
-        slow.set_work_repeat(repeat, flag=True)
+        emulate.set(repeat, flag=True)
         out = hs.gather(slow(*args))
         diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
                    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)))
         assert (not diff <= 1e-3) == changes, (repeat, diff)  # NaN counts as changed
+    assert slow._fn._cache_size() == 1  # one compilation for every count
 
 
 def test_work_repeat_is_checked():
+    """Bad counts are rejected; with a branch hook even an even plan is `shard_map`."""
     step, args = get("mlp", "tiny")
-    par = hs.parallelize(step, cluster="cpu8-even", time_limit=1)
+    par = hs.parallelize(step, cluster="cpu8-even", strategy="data-parallel")
     plan = par.plan(*args)
     prog = par._programs[next(iter(par._programs))]
     with pytest.raises(ValueError, match="work_repeat needs 8 integers"):
-        Lowered(prog, plan, par.cluster.jax_devices(), work_repeat=(1, 2))
-    with pytest.raises(ValueError, match="work_repeat needs 8 integers"):
-        Lowered(prog, plan, par.cluster.jax_devices()).set_work_repeat((1,) * 8)
+        Lowered(prog, plan, local_devices(par.cluster), branch_hook=WorkRepeat((1, 2)))
+    emulate = WorkRepeat((1,) * 8)
+    for bad in ((1,) * 7, (1,) * 7 + (0,)):
+        with pytest.raises(ValueError, match="work_repeat needs 8 integers"):
+            emulate.set(bad)
+    assert par.lowered(*args).mode == "gspmd"
+    low = Lowered(prog, plan, local_devices(par.cluster), branch_hook=emulate)
+    assert low.mode == "shard_map"
+    compare(hs.gather(low(*args)), jax.jit(step)(*args))
+
+
+class _Recorder:
+    """A branch hook that records what `wrap` is given and adds the extra input's value
+    to every floating result (so a changed input shows without recompiling)."""
+
+    def __init__(self):
+        self.value, self.calls = 0.0, []
+
+    def inputs(self, mesh):
+        rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        return (jax.device_put(np.float32(self.value), rep),)
+
+    def wrap(self, branch, entry, extra):
+        self.calls.append(tuple(entry))
+
+        def wrapped(*a):
+            return tuple(v + extra[0].astype(v.dtype) if jax.numpy.issubdtype(
+                v.dtype, jax.numpy.floating) else v for v in branch(*a))
+        return wrapped
+
+
+def test_branch_hook_wraps_every_branch():
+    step, args = get("mlp", "tiny")
+    par = hs.parallelize(step, cluster=CLUSTERS["2+6"](), strategy="data-parallel")
+    plan = par.plan(*args)
+    prog = par._programs[next(iter(par._programs))]
+    hook = _Recorder()
+    low = Lowered(prog, plan, local_devices(par.cluster), branch_hook=hook)
+    ref = jax.jit(step)(*args)
+    compare(hs.gather(low(*args)), ref)
+    groups = len(low.group_rep)
+    assert len(hook.calls) >= groups >= 2
+    assert any(any(e) for e in hook.calls)  # the step's own inputs are flagged
+    hook.value = 1.0
+    out = hs.gather(low(*args))
+    assert not all(np.allclose(np.asarray(a), np.asarray(b))
+                   for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)))
+    assert low._fn._cache_size() == 1
 
 
 def test_data_parallel_at_given_shares():

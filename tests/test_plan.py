@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -38,8 +39,8 @@ def test_plan_layouts_and_conversions_agree(gpt_plan):
         assert p.tensor_layouts[c.tensor] == c.src != c.dst
         assert c.seconds > 0 and c.collective in ("all_gather", "all_reduce", "reduce_scatter",
                                                   "all_to_all")
-    sharded = [lay for lay in p.tensor_layouts if lay.startswith("S")]
-    assert sharded and all(int(lay.split("/")[1]) in p.shard_units for lay in sharded)
+    sharded = [lay for lay in p.tensor_layouts if lay.sharded]
+    assert sharded and all(lay.units in p.shard_units for lay in sharded)
 
 
 def test_plan_json_round_trips_exactly(gpt_plan):
@@ -105,3 +106,67 @@ def test_cli_plan_json(capsys):
                      "--time-limit", "1", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["predicted_step_time"] <= min(d["baselines"]["DP-EV"], d["baselines"]["DP-CP"]) + 1e-12
+
+
+def test_explain_names_every_node_strategy_and_conversion(gpt_plan):
+    p = gpt_plan
+    text = p.explain()
+    prims = p.signature.ops
+    for k, node in enumerate(p.nodes):
+        assert f"node {k} [{node.kind}] {node.strategy}\n" in text
+        if node.strategy.startswith("shard"):
+            # a strategy names a factor by its letter and size and an op of its own node
+            m = re.match(r"shard (the batch \()?([a-z]+\d*)=(\d+) of ([\w-]+)", node.strategy)
+            assert m and m.group(4) in {prims[i] for i in node.ops}, node.strategy
+        else:
+            assert node.strategy in ("replicate", "replicate, carry partial sums")
+    for c in p.conversions:
+        assert f"t{c.tensor} {c.src} -> {c.dst}: {c.collective} {c.form}" in text
+        assert f"{c.seconds * 1e3:.4g} ms" in text
+    # a saved plan reads on its own: the names are in the JSON
+    saved = json.loads(p.to_json())
+    assert [n["strategy"] for n in saved["nodes"]] == list(p.strategies)
+    assert hs.Plan.from_json(p.to_json()).explain() == text
+
+
+def test_a_saved_plan_refuses_another_program_and_names_the_difference():
+    step, (params, opt, batch) = get("mlp", "tiny")
+    saved = hs.Plan.from_json(
+        hs.parallelize(step, cluster=CPU26, time_limit=1).plan(params, opt, batch).to_json())
+    again = hs.parallelize(step, cluster=CPU26, plan=saved)
+    assert again.plan(params, opt, batch) is saved
+    smaller = jax.tree.map(lambda x: x[:16], batch)
+    with pytest.raises(hs.PlanMismatch, match=r"input \d+: the plan is for \[2\]\['\w+'\] "
+                                               r"f32\[32,.*the program has .*\[16"):
+        again.plan(params, opt, smaller)
+
+    def other(params, opt, batch):  # same arguments, one more op
+        p, o, loss = step(params, opt, batch)
+        return p, o, loss * 2.0
+
+    with pytest.raises(hs.PlanMismatch, match=r"op \d+: the plan has \w+, the program has \w+"
+                                               r"|a program of \d+ ops, this one has \d+"):
+        hs.parallelize(other, cluster=CPU26, plan=saved).plan(params, opt, batch)
+    with pytest.raises(hs.PlanMismatch, match=r"cluster 'cpu-2-6'.*not for 'cpu8-even'"):
+        hs.parallelize(step, cluster="cpu8-even", plan=saved).plan(params, opt, batch)
+
+
+@pytest.mark.parametrize("cluster", ["cpu-2-6", "cpu8-even"])  # shard_map and gspmd programs
+def test_donated_state_is_reused_and_deleted(cluster):
+    step, (params, opt, batch) = get("mlp", "tiny")
+    ref = jax.jit(step)
+    want = ref(*ref(params, opt, batch)[:2], batch)
+    par = hs.parallelize(step, cluster=cluster, time_limit=1, donate_argnums=(0, 1))
+    first = par(params, opt, batch)  # as with jax.jit, donated arguments are not to be reused
+    second = par(first[0], first[1], batch)
+    donated = jax.tree.leaves(first[:2], is_leaf=lambda v: isinstance(v, hs.Sharded))
+    assert donated and all(v.data.is_deleted() for v in donated)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(batch))
+    for a, b in zip(jax.tree.leaves(hs.gather(second)), jax.tree.leaves(want)):
+        assert jnp.allclose(a, b, rtol=1e-4, atol=1e-6)
+    _, (params, opt, batch) = get("mlp", "tiny")
+    keep = hs.parallelize(step, cluster=cluster, time_limit=1)
+    out = keep(params, opt, batch)
+    keep(out[0], out[1], batch)
+    assert not any(v.data.is_deleted() for v in jax.tree.leaves(
+        out[:2], is_leaf=lambda v: isinstance(v, hs.Sharded)))

@@ -7,9 +7,17 @@ import pytest
 import hapsynth as hs
 from hapsynth.ir import lift
 from hapsynth.models import get
-from hapsynth.synth.pricing import build_tables, data_parallel, edge_needed, evaluate, shard_units
+from hapsynth.ir.layout import P, R
+from hapsynth.synth.pricing import price, shard_units
+from hapsynth.synth.search import data_parallel
 from hapsynth.synth.solver import solve
 from hapsynth.synth.strategy import batch_class, link_factors
+from hapsynth.synth.structure import build_structure
+from hapsynth.synth.timing import evaluate
+
+
+def build_tables(graph, cluster, shares, **kw):
+    return price(build_structure(graph, **kw), cluster, shares)
 
 
 def test_shard_units_sum_and_prefer_class_uniform_sizes():
@@ -37,13 +45,13 @@ def test_data_parallel_pricing_syncs_each_gradient_once():
     cluster, graph, nstate, uf, b = _dp_setup("mlp", "cpu8-even")
     tables = build_tables(graph, cluster, [1.0], num_state_leaves=nstate, uf=uf, keep=(b,))
     dp = data_parallel(tables, b)
-    synced = [e for e in tables.edges if edge_needed(e, dp) and e.cost[e.layouts[dp[e.src]]]]
-    assert all((e.layouts[dp[e.src]], e.need) == ("P", "R") for e in synced)
+    synced = [e for e in tables.edges if e.needed(dp) and e.seconds(e.layouts[dp[e.src]])]
+    assert all((e.layouts[dp[e.src]], e.need) == (P, R) for e in synced)
     step, args = get("mlp", "tiny")
     param_bytes = sum(x.size * 4 for x in jax.tree.leaves(args[0]))
     assert sum(graph.tensors[e.tensor].nbytes for e in synced) == param_bytes + 4  # + the loss
     got = evaluate(tables, dp)
-    assert got["deferred_comm"] > 0 and got["step"] >= got["compute"]
+    assert got.deferred_comm > 0 and got.step >= got.compute
 
 
 @pytest.mark.parametrize("model", ["mlp", "gpt"])
@@ -54,7 +62,7 @@ def test_solver_objective_matches_evaluator_and_beats_its_hint(model):
     dp = data_parallel(tables, b)
     assign, stats = solve(tables, dp, time_limit=10, workers=2, seed=0)
     assert stats.status in ("OPTIMAL", "FEASIBLE")
-    ours, hint = evaluate(tables, assign)["step"], evaluate(tables, dp)["step"]
+    ours, hint = evaluate(tables, assign).step, evaluate(tables, dp).step
     assert ours <= hint * (1 + 1e-6)
     assert stats.objective == pytest.approx(ours, rel=1e-3)
     assert stats.bound <= stats.objective + 1e-12

@@ -110,6 +110,7 @@ def test_user_step_is_covered_and_costed(make):
     assert report["flops"] == pytest.approx(cost["flops"], rel=0.10)
 
 
+@pytest.mark.slow
 def test_bert_base_sized_user_step_plans_on_the_hap_cluster():
     """A BERT-base-sized linen model (abstract: nothing allocated) plans on HAP's cluster
     at least as fast as both data-parallel baselines. (Its wall time is a benchmark figure:
@@ -136,8 +137,10 @@ def test_bert_base_sized_user_step_plans_on_the_hap_cluster():
     assert plan.unsupported == {}
 
 
-@pytest.mark.parametrize("cluster", ["even", "2+6"])
-@pytest.mark.parametrize("make", [transformer_step, conv_step, mlp_custom_loss_step])
+@pytest.mark.parametrize("make,cluster", [
+    (transformer_step, "2+6"), (conv_step, "2+6"), (mlp_custom_loss_step, "2+6"),
+    (conv_step, "even"), (mlp_custom_loss_step, "even"),
+    pytest.param(transformer_step, "even", marks=pytest.mark.slow)])
 def test_user_step_runs_distributed_like_one_device(make, cluster):
     """Three chained distributed steps equal single-device jax.jit, on an even and on a
     heterogeneous cluster (where some dim must be split unevenly)."""

@@ -10,17 +10,13 @@ tensor (iota, broadcast of a literal) join their first consumer.
 from __future__ import annotations
 
 from hapsynth._jax import CONTROL_FLOW
-from hapsynth.ir.rules import REGISTRY
-from hapsynth.ir.rules.elementwise import elementwise
+from hapsynth.ir.rules import facts
 from hapsynth.ir.unionfind import UnionFind
-
-LAYOUT_ONLY = {"broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims",
-               "convert_element_type", "copy", "copy_p", "reduce_precision", "iota"}
 
 
 def is_follower(primitive: str) -> bool:
-    entry = REGISTRY.get(primitive)
-    return primitive in LAYOUT_ONLY or (entry is not None and entry.rule is elementwise)
+    """Elementwise and layout-only ops follow; every other op leads (registry facts)."""
+    return facts(primitive).follower
 
 
 class _Groups(UnionFind):
@@ -62,7 +58,7 @@ def coarsen(ops, producer: dict[int, int], is_input: set[int], shape_of=None):
         if not follower[i]:
             continue
         anchors = []
-        same_shape = prim not in LAYOUT_ONLY and shape_of is not None and outs
+        same_shape = not facts(prim).layout_only and shape_of is not None and outs
         for t in ins:
             if t is None or (same_shape and shape_of(t) != shape_of(outs[0])):
                 continue

@@ -6,6 +6,7 @@ from collections import Counter
 from hapsynth.ir.coarsen import coarsen
 from hapsynth.ir.graph import Graph, Op, Node, Tensor
 from hapsynth.ir.rules import cost_for, rule_for
+from hapsynth.ir.signature import leaf_paths
 from hapsynth.ir.trace import Program, trace
 
 
@@ -33,7 +34,8 @@ def lift_program(prog: Program) -> Graph:
     unsupported = Counter(op.primitive for op in ops if not op.rule.supported)
     return Graph(tensors=tensors, ops=ops, nodes=nodes, inputs=prog.inputs,
                  outputs=tuple(o if isinstance(o, int) else None for o in prog.outputs),
-                 unsupported=dict(sorted(unsupported.items())))
+                 unsupported=dict(sorted(unsupported.items())),
+                 input_paths=tuple(leaf_paths(prog.in_tree)))
 
 
 def lift(fn, *args) -> tuple[Program, Graph]:

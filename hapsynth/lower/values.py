@@ -1,6 +1,6 @@
 """Distributed values: how a layout is stored across devices, and `shard` / `gather`.
 
-Storage on the 1-D mesh axis "d" of k devices (DESIGN.md's lowering technique):
+Storage on the 1-D mesh axis "d" of k devices (docs/design.md, stage 3):
 - `R`: the whole array on every device;
 - `P`: a partial sum per device, stored stacked as a global `[k, *shape]` array;
 - `S<dim>/<units>`: device i holds `rows[i]` rows of `dim`, padded to `M = max(rows)`;
@@ -8,7 +8,6 @@ Storage on the 1-D mesh axis "d" of k devices (DESIGN.md's lowering technique):
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import jax
@@ -17,22 +16,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
+from hapsynth.ir.layout import Layout
+
 AXIS = "d"
-
-
-@dataclass(frozen=True)
-class Layout:
-    kind: str                 # "R" | "P" | "S"
-    dim: int = -1
-    units: int = 0
-
-    @staticmethod
-    @functools.lru_cache(maxsize=4096)
-    def parse(text: str) -> "Layout":
-        if text in ("R", "P"):
-            return Layout(text)
-        d, u = text[1:].split("/")
-        return Layout("S", int(d), int(u))
 
 
 @dataclass(frozen=True)
@@ -60,7 +46,7 @@ class Geometry:
 class Sharded:
     """A global array stored in a plan's layout (what a parallelized step returns)."""
 
-    def __init__(self, data, layout: str, shape, units: tuple | None):
+    def __init__(self, data, layout: Layout, shape, units: tuple | None):
         self.data, self.layout, self.shape, self.units = data, layout, tuple(shape), units
 
     def tree_flatten(self):
@@ -152,7 +138,7 @@ def unshard(value: Sharded):
 
     Assembled on the host from the device shards: no multi-device program is launched
     (on XLA CPU, many small collective programs in flight can stall its rendezvous)."""
-    layout = Layout.parse(value.layout)
+    layout = value.layout
     if layout.kind == "R":
         return _addressable(value.data)
     data = np.asarray(_addressable(value.data))

@@ -1,6 +1,6 @@
 """Per-device memory of an assignment: state (params + optimizer) plus peak activations.
 
-Sharded tensors are stored padded to the largest shard (DESIGN.md's lowering), so
+Sharded tensors are stored padded to the largest shard (docs/design.md, stage 3), so
 a sharded tensor costs every device `max(units) * bytes / units_total`, whatever
 its own share: per-device memory is the same on every device, and the class with
 the least memory is the one that binds. Activations: every tensor is live from its
@@ -8,23 +8,35 @@ producer to its last reader (outputs to the end); the peak over program order co
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from hapsynth.synth.pricing import Structure, Tables
-from hapsynth.synth.strategy import R
+from hapsynth.ir.layout import R
+from hapsynth.synth.pricing import Tables
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes on every device (sharded tensors are stored padded, so all devices alike)."""
+
+    state: float        # parameters and optimizer state
+    activations: float  # live intermediates at the peak
+    total: float
+    peak_op: int        # the op after which the peak occurs
 
 
 def layout_bytes(tables: Tables, layout, nbytes: float) -> float:
-    if isinstance(layout, tuple):
-        u = tables.pricer.units(layout[2])
-        return max(u) * nbytes / layout[2]
+    if layout.sharded:
+        return max(tables.pricer.units(layout.units)) * nbytes / layout.units
     return float(nbytes)
 
 
 class MemoryModel:
     """Liveness intervals per (node, strategy), priced once per set of shares."""
 
-    def __init__(self, st: Structure, tables: Tables):
+    def __init__(self, tables: Tables):
+        st = tables.structure
         g = st.graph
         n_ops = len(g.ops)
         last_use: dict[int, int] = {}
@@ -65,34 +77,22 @@ class MemoryModel:
             np.add.at(diff, d, -z)
         return state, np.cumsum(diff)[:-1]
 
-    def per_device(self, assign) -> dict:
+    def per_device(self, assign) -> Memory:
         state, live = self.profile(assign)
         peak = int(np.argmax(live)) if len(live) else 0
         act = float(live[peak]) if len(live) else 0.0
-        return {"state": state, "activations": act, "total": state + act, "peak_op": peak}
+        return Memory(state, act, state + act, peak)
+
+    def total(self, assign) -> float:
+        return self.per_device(assign).total
 
     def constraint_rows(self, assign) -> list[tuple[int, list[float]]]:
-        """(node, bytes per strategy) at the assignment's peak op, state included."""
-        p = self.per_device(assign)["peak_op"]
+        """The solver's memory constraint: (node, bytes per strategy) at the assignment's
+        peak op, state included."""
+        p = self.per_device(assign).peak_op
         out = []
         for n, per in enumerate(self.rows):
             vals = [sb + float(z[(b <= p) & (d > p)].sum()) for sb, b, d, z in per]
             if any(vals):
                 out.append((n, vals))
         return out
-
-
-def _model(st: Structure, tables: Tables) -> MemoryModel:
-    if getattr(tables, "memory_model", None) is None:
-        tables.memory_model = MemoryModel(st, tables)
-    return tables.memory_model
-
-
-def memory_per_device(st: Structure, tables: Tables, assign) -> dict:
-    """{"state", "activations", "total" (bytes on every device), "peak_op"}."""
-    return _model(st, tables).per_device(assign)
-
-
-def memory_rows(st: Structure, tables: Tables, assign) -> list[tuple[int, list[float]]]:
-    """The solver's memory constraint: bytes per strategy of each node at the peak."""
-    return _model(st, tables).constraint_rows(assign)

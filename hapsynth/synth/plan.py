@@ -1,29 +1,43 @@
-"""`Plan`: the synthesizer's output, a plain serialisable value (JSON round-trips exactly).
-
-Layouts are written as strings: "R", "P", or "S<dim>/<units>" (sharded on `dim` in
-`units` factor units; per-device units are in `shard_units[units]`).
-"""
+"""`Plan`: the synthesizer's output, a plain value that reads on its own and round-trips
+exactly through JSON (layouts written as "R", "P", "S<dim>/<units>")."""
 from __future__ import annotations
 
 import html
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
+
+from hapsynth.ir.layout import Layout
+from hapsynth.ir.signature import Signature, difference
 
 
-def layout_str(layout) -> str:
-    return f"S{layout[1]}/{layout[2]}" if isinstance(layout, tuple) else str(layout)
+class PlanMismatch(ValueError):
+    """A plan applied to a program other than the one it was made for."""
 
 
 @dataclass(frozen=True)
 class Conversion:
+    """One layout change the plan pays: `tensor` from `src` to `dst` by `collective`."""
+
     tensor: int
-    src: str
-    dst: str
-    collective: str     # all_gather, all_reduce, reduce_scatter, all_to_all, ...
+    src: Layout
+    dst: Layout
+    collective: str     # all_gather, all_reduce, reduce_scatter, all_to_all
     form: str | None    # padded / grouped / ring
     seconds: float
     deferred: bool      # overlaps the backward pass (gradient sync)
     nbytes: int
+    node: int = -1      # the node making the tensor
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """One node's decision: its ops, the strategy's name, and the layouts at its edges."""
+
+    ops: tuple[int, ...]
+    kind: str                                  # compute, elementwise, optimizer, opaque
+    strategy: str                              # e.g. "shard the batch (a=128 of dot_general)"
+    inputs: tuple[tuple[int, Layout], ...]     # tensors read from elsewhere, as read
+    outputs: tuple[tuple[int, Layout], ...]    # tensors others read, as made
 
 
 @dataclass(frozen=True)
@@ -32,38 +46,65 @@ class Plan:
     classes: tuple[str, ...]          # class names, device order
     ratios: dict                      # {class name: share of every sharded dim (sums to 1)}
     predicted_step_time: float        # seconds
-    breakdown: dict                   # compute, inline_comm, deferred_comm, exposed_comm
+    breakdown: dict                   # compute, inline_comm, deferred_comm, exposed_comm, per class
     baselines: dict                   # {"DP-EV": s, "DP-CP": s, "ideal": s}
     baseline_memory: dict             # {"DP-EV": bytes, "DP-CP": bytes} per device
     memory: dict                      # {class: {"need": bytes, "capacity": bytes}}
     solver: dict                      # status, gap, objective, bound, wall, rounds, ...
-    strategies: tuple[int, ...]       # strategy index per node
+    nodes: tuple[NodePlan, ...]       # per node: ops, strategy name, edge layouts
     op_factors: tuple[int, ...]       # sharded factor per op (-1: replicated)
-    tensor_layouts: tuple[str, ...]   # layout of every tensor as produced ("R" for inputs)
-    op_inputs: tuple[tuple, ...]      # per op, the layout each operand must arrive in (None: literal)
+    tensor_layouts: tuple[Layout, ...]  # layout of every tensor as produced (R for inputs)
+    op_inputs: tuple[tuple, ...]      # per op, the layout each operand is read in (None: literal)
     conversions: tuple[Conversion, ...]
     shard_units: dict                 # {units: per-device units}
-    signature: str                    # fingerprint of the IR the plan was made for
+    signature: Signature              # the program the plan was made for
     state_leaves: int = 0             # leading input leaves fed back from the outputs
     unsupported: dict = None          # primitives planned replicated for lack of a rule
     chosen: str = "synthesized"       # or "DP-CP"/"DP-EV" when a baseline was already best
 
+    @property
+    def strategies(self) -> tuple[str, ...]:
+        """The chosen strategy's name per node."""
+        return tuple(n.strategy for n in self.nodes)
+
+    def check(self, signature: Signature, cluster=None) -> None:
+        """Raise `PlanMismatch` naming what differs if `signature` is not this plan's
+        program (or `cluster`, if given, not its cluster's classes and devices)."""
+        diff = difference(self.signature, signature)
+        if diff:
+            raise PlanMismatch(f"this plan was made for another program: {diff}")
+        if cluster is not None:
+            names = tuple(c.name for c in cluster.classes)
+            counts = {len(v) for v in self.shard_units.values()}
+            if names != self.classes or counts - {cluster.num_devices}:
+                raise PlanMismatch(
+                    f"this plan was made for cluster {self.cluster!r} (classes "
+                    f"{', '.join(self.classes)}; {', '.join(map(str, counts)) or '?'} devices), "
+                    f"not for {cluster.name!r} (classes {', '.join(names)}; "
+                    f"{cluster.num_devices} devices)")
+
     # -- serialisation -----------------------------------------------------------
     def to_json(self) -> str:
-        d = asdict(self)
-        d["shard_units"] = {str(k): list(v) for k, v in self.shard_units.items()}
-        return json.dumps(d, sort_keys=True)
+        return json.dumps(_encode(self), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
         d = json.loads(text)
+        lay = Layout.parse
         d["classes"] = tuple(d["classes"])
-        d["strategies"] = tuple(d["strategies"])
+        d["nodes"] = tuple(NodePlan(tuple(n["ops"]), n["kind"], n["strategy"],
+                                    tuple((t, lay(x)) for t, x in n["inputs"]),
+                                    tuple((t, lay(x)) for t, x in n["outputs"]))
+                           for n in d["nodes"])
         d["op_factors"] = tuple(d["op_factors"])
-        d["tensor_layouts"] = tuple(d["tensor_layouts"])
-        d["op_inputs"] = tuple(tuple(x) for x in d["op_inputs"])
-        d["conversions"] = tuple(Conversion(**c) for c in d["conversions"])
+        d["tensor_layouts"] = tuple(lay(x) for x in d["tensor_layouts"])
+        d["op_inputs"] = tuple(tuple(None if x is None else lay(x) for x in ins)
+                               for ins in d["op_inputs"])
+        d["conversions"] = tuple(Conversion(**{**c, "src": lay(c["src"]), "dst": lay(c["dst"])})
+                                 for c in d["conversions"])
         d["shard_units"] = {int(k): tuple(v) for k, v in d["shard_units"].items()}
+        d["signature"] = Signature(**{k: v if k == "digest" else tuple(v)
+                                      for k, v in d["signature"].items()})
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
@@ -112,5 +153,59 @@ class Plan:
             lines.append(f"  replicated (no rule): {self.unsupported}")
         return "\n".join(lines)
 
+    def explain(self) -> str:
+        """Per node: its ops, the chosen strategy, the layouts it reads and makes, and each
+        conversion of a tensor it makes (collective, form, predicted seconds)."""
+        prims = self.signature.ops
+        by_node: dict[int, list[Conversion]] = {}
+        for c in self.conversions:
+            by_node.setdefault(c.node, []).append(c)
+        out = [f"plan on {self.cluster} ({self.chosen}), predicted step "
+               f"{self.predicted_step_time:.4g} s; per node:"]
+        for k, n in enumerate(self.nodes):
+            ops = _ops_text(n.ops, prims)
+            out.append(f"node {k} [{n.kind}] {n.strategy}")
+            out.append(f"  ops: {ops}")
+            if n.inputs:
+                out.append("  in:  " + _edges_text(n.inputs))
+            if n.outputs:
+                out.append("  out: " + _edges_text(n.outputs))
+            for c in by_node.get(k, ()):
+                when = "overlapped" if c.deferred else "inline"
+                out.append(f"  t{c.tensor} {c.src} -> {c.dst}: {c.collective} {c.form or ''} "
+                           f"{c.nbytes / 2**20:.3g} MiB, {c.seconds * 1e3:.4g} ms ({when})")
+        return "\n".join(out)
+
     def _repr_html_(self) -> str:
         return "<pre>" + html.escape(self.summary()) + "</pre>"
+
+
+def _ops_text(ops, prims, limit: int = 8) -> str:
+    """"3 dot_general, 4 add, ..." for a node's ops (the first `limit`, then a count)."""
+    text = ", ".join(f"{i} {prims[i]}" for i in ops[:limit])
+    return text + (f", ... ({len(ops)} ops)" if len(ops) > limit else "")
+
+
+def _edges_text(pairs, limit: int = 6) -> str:
+    """"t3 S0/128, t7 R" for a node's edge tensors; past `limit`, counts per layout first."""
+    text = ", ".join(f"t{t} {lay}" for t, lay in pairs[:limit])
+    if len(pairs) <= limit:
+        return text
+    counts: dict = {}
+    for _, lay in pairs:
+        counts[str(lay)] = counts.get(str(lay), 0) + 1
+    per = ", ".join(f"{k} x{v}" for k, v in counts.items())
+    return f"{len(pairs)} tensors ({per}): {text}, ..."
+
+
+def _encode(x):
+    """A JSON-ready copy: layouts as text, dataclasses as dicts, tuples as lists."""
+    if isinstance(x, Layout):
+        return str(x)
+    if hasattr(x, "__dataclass_fields__"):
+        return {f.name: _encode(getattr(x, f.name)) for f in fields(x)}
+    if isinstance(x, dict):
+        return {str(k): _encode(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_encode(v) for v in x]
+    return x

@@ -1,6 +1,6 @@
 """CP-SAT model: one strategy per node, minimising the priced step time.
 
-Mirrors `pricing.evaluate` exactly (times in integer nanoseconds):
+Mirrors `timing.evaluate` exactly (times in integer nanoseconds):
 - x[n, s] one-hot per node; `main`/`tail` compute are linear in x;
 - each conversion edge is paid if its producer's layout needs converting and some
   consumer strategy needs it (w >= [layout] + [needed] - 1);
@@ -65,7 +65,7 @@ def solve(tables: Tables, hint: list[int], *, time_limit: float = 10.0, workers:
     """Best assignment found from `hint`; `ties[n]` = node whose decision n shares.
 
     `memory = (capacity bytes, [(node, bytes per strategy), ...])` bounds per-device
-    memory (see `memory.memory_rows`). `time_limit` is CP-SAT deterministic time (the
+    memory (see `MemoryModel.constraint_rows`). `time_limit` is CP-SAT deterministic time (the
     result depends only on the seed); `wall_limit` is a wall-clock backstop.
     """
     ties = ties or list(range(len(tables.strategies)))
@@ -119,7 +119,7 @@ def solve(tables: Tables, hint: list[int], *, time_limit: float = 10.0, workers:
         for s, lay in enumerate(e.layouts):
             by_layout.setdefault(lay, []).append(x[e.src][s])
         for lay, vs in by_layout.items():
-            c = _ns(e.cost[lay])
+            c = _ns(e.seconds(lay))
             if not c:
                 continue
             if len(vs) == len(e.layouts):      # the producer always has this layout
@@ -140,7 +140,7 @@ def solve(tables: Tables, hint: list[int], *, time_limit: float = 10.0, workers:
                     seg_terms[k] += terms
 
     horizon = _ns(sum(max(r) for r in tables.main) + sum(max(r) for r in tables.tail)
-                  + sum(max(e.cost.values()) for e in tables.edges) + tables.group_latency) + 1
+                  + sum(max(c[2] for c in e.conversions.values()) for e in tables.edges) + tables.group_latency) + 1
     T = m.new_int_var(0, horizon, "T")
     tail_terms = [(c, v) for c, v in tail_terms]
     bound_main = main_terms + inline_terms + tail_terms

@@ -7,32 +7,17 @@ Within a node, a strategy is "shard class c" or "replicate". The same linking do
 across the whole graph names the *batch class* (the one holding dim 0 of the data
 arguments): data parallelism is "every node shards the batch class".
 
-Layouts (of a tensor on the 1-D device mesh): `R`, `P` (partial sum) or
-`S(dim, units)`: sharded on `dim` in `units` factor units (a dim of size n split in
-u units moves in blocks of n/u rows).
+Layouts are `hapsynth.ir.layout.Layout` values: `R`, `P` (partial sum) or
+`S(dim, units)`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hapsynth.ir.graph import PARALLEL, REDUCTION, Graph
+from hapsynth.ir.graph import REDUCTION, Graph, factor_letter
+from hapsynth.ir.layout import P, R, S
+from hapsynth.ir.rules import facts
 from hapsynth.ir.unionfind import UnionFind
-
-R, P = "R", "P"
-
-# A partial sum is carried (its all-reduce postponed) only where that cannot cost
-# more: through ops that keep or shrink it, and through sums of partial sums.
-CARRY_UNARY = {"neg", "convert_element_type", "reshape", "transpose", "squeeze", "copy",
-               "copy_p", "reduce_sum", "slice", "reduce_precision"}
-CARRY_SUM = {"add", "add_any", "sub"}
-
-
-def S(dim: int, units: int):
-    return ("S", int(dim), int(units))
-
-
-def _shardable(f) -> bool:
-    return f.size > 1 and (f.kind == PARALLEL or (f.kind == REDUCTION and f.reduce == "sum"))
 
 
 def link_factors(graph: Graph, ops=None) -> UnionFind:
@@ -43,14 +28,14 @@ def link_factors(graph: Graph, ops=None) -> UnionFind:
     result_pos: dict[tuple[int, int], list] = {}  # (tensor, dim) -> [(op, factor)] producing it
     for op in ops:
         for fi, f in enumerate(op.rule.factors):
-            if not _shardable(f):
+            if not f.shardable:
                 continue
             uf.find((op.id, fi))
             for (j, d) in f.results:
                 result_pos.setdefault((op.outputs[j], d), []).append((op.id, fi, f.size))
     for op in ops:
         for fi, f in enumerate(op.rule.factors):
-            if not _shardable(f):
+            if not f.shardable:
                 continue
             for (i, d) in f.operands:
                 t = op.inputs[i]
@@ -96,8 +81,9 @@ def op_choice(op, factor: int | None, in_layouts=None) -> OpChoice:
         return OpChoice(factor, tuple(ins), tuple(outs))
     layouts = in_layouts or [R] * nin
     tensors = [i for i in range(nin) if op.inputs[i] is not None]
+    carry = facts(op.primitive).partial  # ops a partial sum may pass through (registry facts)
     if tensors and all(layouts[i] == P for i in tensors) and (
-            (op.primitive in CARRY_UNARY and len(tensors) == 1) or op.primitive in CARRY_SUM):
+            (carry == "unary" and len(tensors) == 1) or carry == "sum"):
         return OpChoice(None, tuple(P if i in tensors else None for i in range(nin)),
                         tuple(P for _ in op.outputs))
     return _replicated(op)
@@ -110,36 +96,68 @@ def _replicated(op) -> OpChoice:
 
 @dataclass(frozen=True)
 class Strategy:
-    """One way to run a node: `klass` is the sharded factor class (None = replicate)."""
+    """One way to run a node: `klass` is the sharded factor class (None = replicate);
+    `name` says it in words, from the node's own ops (e.g. "shard c=768 of dot_general")."""
 
     klass: tuple | None
     choices: tuple[tuple[int, OpChoice], ...]  # (op id, choice) in program order
     layouts: dict = field(default_factory=dict, compare=False)  # produced tensor -> layout
+    name: str = "replicate"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+REPLICATE = "replicate"
+CARRY = "replicate, carry partial sums"
+
+
+def class_name(op, fi: int, role: str | None = None) -> str:
+    """A sharded class named by one op holding it: "shard c=768 of dot_general", with
+    its role ("the batch") when known and ", partial sums" for a sum reduction."""
+    f = op.rule.factors[fi]
+    what = f"{factor_letter(fi)}={f.size} of {op.primitive}"
+    text = f"shard {role} ({what})" if role else f"shard {what}"
+    return text + (", partial sums" if f.kind == REDUCTION else "")
 
 
 def node_strategies(graph: Graph, node, uf: UnionFind, max_classes: int = 6,
-                    keep=()) -> list[Strategy]:
-    """Replicate, plus sharding each of the node's heaviest factor classes (and `keep`)."""
+                    keep=(), roles=None) -> list[Strategy]:
+    """Replicate, plus sharding each of the node's heaviest factor classes (and `keep`).
+
+    `roles` names some classes ({class: "the batch"}) in the strategies' names."""
     ops = [graph.ops[i] for i in node.ops]
+    roles = roles or {}
     weight: dict = {}
     anchor: dict = {}  # first (local op index, factor) holding the class: a node-relative name
+    heaviest: dict = {}  # class -> (op weight, op, factor): the op that names the class
     for k, op in enumerate(ops):
+        w_op = op.cost.flops + 1e-3 * op.cost.bytes
         for fi, f in enumerate(op.rule.factors):
-            if _shardable(f):
+            if f.shardable:
                 c = uf.find((op.id, fi))
-                weight[c] = weight.get(c, 0.0) + op.cost.flops + 1e-3 * op.cost.bytes
+                weight[c] = weight.get(c, 0.0) + w_op
                 anchor.setdefault(c, (k, fi))
+                if c not in heaviest or w_op > heaviest[c][0]:
+                    heaviest[c] = (w_op, op, fi)
     ranked = sorted(weight, key=lambda c: (-weight[c], anchor[c]))
     classes = [c for c in ranked if c in keep] + [c for c in ranked if c not in keep]
     classes = classes[:max(max_classes, sum(1 for c in ranked if c in keep))]
-    out = [propagate(graph, ops, None, uf)]
-    carry = propagate(graph, ops, None, uf, carry=True)
+    out = [propagate(graph, ops, None, uf, name=REPLICATE)]
+    carry = propagate(graph, ops, None, uf, carry=True, name=CARRY)
     if carry.choices != out[0].choices:
         out.append(carry)
-    return out + [propagate(graph, ops, c, uf) for c in classes]
+    seen: dict[str, int] = {}
+    for c in classes:
+        name = class_name(*heaviest[c][1:], roles.get(c))
+        seen[name] = seen.get(name, 0) + 1
+        out.append(propagate(graph, ops, c, uf,
+                             name=name if seen[name] == 1 else f"{name} #{seen[name]}"))
+    return out
 
 
-def propagate(graph: Graph, ops, klass, uf: UnionFind, carry: bool = False) -> Strategy:
+def propagate(graph: Graph, ops, klass, uf: UnionFind, carry: bool = False,
+              name: str = REPLICATE) -> Strategy:
     """Choices of every op in program order when `klass` is sharded (None: replicate).
 
     `carry=True`: operands from other nodes may arrive as partial sums, so sums of
@@ -151,7 +169,7 @@ def propagate(graph: Graph, ops, klass, uf: UnionFind, carry: bool = False) -> S
         factor = None
         if klass is not None:
             for fi, f in enumerate(op.rule.factors):
-                if _shardable(f) and uf.find((op.id, fi)) == klass:
+                if f.shardable and uf.find((op.id, fi)) == klass:
                     factor = fi
                     break
         outside = P if carry else R
@@ -160,7 +178,7 @@ def propagate(graph: Graph, ops, klass, uf: UnionFind, carry: bool = False) -> S
         for t, lay in zip(op.outputs, ch.outputs):
             layout[t] = lay
         choices.append((op.id, ch))
-    return Strategy(klass, tuple(choices), layout)
+    return Strategy(klass, tuple(choices), layout, name)
 
 
 def batch_class(graph: Graph, uf: UnionFind, data_inputs) -> tuple | None:
@@ -168,7 +186,7 @@ def batch_class(graph: Graph, uf: UnionFind, data_inputs) -> tuple | None:
     data = set(data_inputs)
     for op in graph.ops:
         for fi, f in enumerate(op.rule.factors):
-            if _shardable(f) and any(op.inputs[i] in data and d == 0 for (i, d) in f.operands):
+            if f.shardable and any(op.inputs[i] in data and d == 0 for (i, d) in f.operands):
                 return uf.find((op.id, fi))
     return None
 
@@ -183,7 +201,7 @@ def layer_ties(graph: Graph, strategies) -> list[int]:
     first: dict = {}
     reps = []
     for node, strats in zip(graph.nodes, strategies):
-        sig = (len(strats), tuple((s.klass is None) for s in strats), tuple(
+        sig = (tuple(s.name for s in strats), tuple(
             (graph.ops[i].primitive, tuple(graph.tensors[t].shape if t is not None else None
                                            for t in graph.ops[i].inputs),
              tuple(graph.tensors[t].shape for t in graph.ops[i].outputs)) for i in node.ops))

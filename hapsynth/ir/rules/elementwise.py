@@ -9,12 +9,12 @@ from __future__ import annotations
 from hapsynth.ir.rules.registry import aligned_dims, elements, par, register, rule
 
 ONE_FLOP = (
-    "add", "add_any", "sub", "mul", "div", "rem", "neg", "max", "min", "abs", "sign",
+    "mul", "div", "rem", "max", "min", "abs", "sign",
     "floor", "ceil", "round", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor",
-    "clamp", "convert_element_type", "is_finite", "square", "shift_left",
+    "clamp", "is_finite", "square", "shift_left",
     "shift_right_logical", "shift_right_arithmetic", "population_count", "clz", "real",
     "imag", "conj", "complex",
-)
+)  # and "add", "add_any", "sub", "neg", "convert_element_type", registered apart with their facts
 TRANSCENDENTAL = (
     "exp", "log", "log1p", "expm1", "tanh", "sin", "cos", "tan", "asin", "acos",
     "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "atan2", "sqrt", "rsqrt", "cbrt",
@@ -27,19 +27,31 @@ def elementwise(eqn):
     return rule(*aligned_dims(eqn))
 
 
-register(*ONE_FLOP, cost=lambda e: (elements(e), 0.0))(elementwise)
-register(*TRANSCENDENTAL, cost=lambda e: (0.0, elements(e)))(elementwise)
-register("copy", "copy_p", "stop_gradient", "sharding_constraint")(elementwise)
-register("reduce_precision", "exp2", cost=lambda e: (elements(e), 0.0))(elementwise)
+def _one_flop(eqn):
+    return elements(eqn), 0.0
+
+
+# Facts (see registry.py): a partial sum passes through sums and linear unary ops;
+# casts and copies only move layout.
+register("add", "add_any", "sub", cost=_one_flop, elementwise=True, partial="sum")(elementwise)
+register("neg", cost=_one_flop, elementwise=True, partial="unary")(elementwise)
+register("convert_element_type", "reduce_precision", cost=_one_flop, elementwise=True,
+         layout_only=True, partial="unary")(elementwise)
+register("copy", "copy_p", elementwise=True, layout_only=True, partial="unary")(elementwise)
+register(*ONE_FLOP, "exp2", cost=_one_flop, elementwise=True)(elementwise)
+register(*TRANSCENDENTAL, cost=lambda e: (0.0, elements(e)), elementwise=True)(elementwise)
+register("stop_gradient", "sharding_constraint", elementwise=True)(elementwise)
 
 # XLA expands these into polynomials before costing: (flops, transcendentals) per element,
 # measured from `cost_analysis()` of one-primitive programs on XLA CPU.
 POLYNOMIAL = {"erfc": (60, 1), "erf_inv": (37, 2), "lgamma": (52, 1), "digamma": (73, 1),
               "nextafter": (23, 0)}
 for _name, (_f, _t) in POLYNOMIAL.items():
-    register(_name, cost=lambda e, f=_f, t=_t: (f * elements(e), t * elements(e)))(elementwise)
-register("logistic", cost=lambda e: (3 * elements(e), elements(e)))(elementwise)
-register("select_n", cost=lambda e: ((len(e.inputs) - 2) * elements(e), 0.0))(elementwise)
+    register(_name, cost=lambda e, f=_f, t=_t: (f * elements(e), t * elements(e)),
+             elementwise=True)(elementwise)
+register("logistic", cost=lambda e: (3 * elements(e), elements(e)), elementwise=True)(elementwise)
+register("select_n", cost=lambda e: ((len(e.inputs) - 2) * elements(e), 0.0),
+         elementwise=True)(elementwise)
 
 
 def _integer_pow_cost(eqn):
@@ -48,7 +60,7 @@ def _integer_pow_cost(eqn):
     return (mults + (1 if eqn.params["y"] < 0 else 0)) * elements(eqn), 0.0
 
 
-register("integer_pow", cost=_integer_pow_cost)(elementwise)
+register("integer_pow", cost=_integer_pow_cost, elementwise=True)(elementwise)
 
 
 @register("bitcast_convert_type")

@@ -3,23 +3,43 @@
 Control flow (`scan`, `while`, `cond`) is one opaque node with replicated operands;
 its cost is that of its bodies (a scan's body times its length). Random-bit
 generators are replicated because their bits depend on the *global* shape: a
-device must generate the whole tensor and slice its rows (DESIGN.md).
+device must generate the whole tensor and slice its rows.
 """
 from __future__ import annotations
 
-from hapsynth.ir.rules.registry import register, replicated
+from hapsynth import _jax
+from hapsynth.ir.rules.registry import cost_for, register, replicated
+from hapsynth.ir.trace import flatten
 
 CONTROL_FLOW_NOTE = "control flow: planned as one opaque node with replicated operands"
 RANDOM_NOTE = "random bits depend on the global shape: generated whole, then sliced"
 
 
-def _body_cost(eqn):
-    from hapsynth.ir.cost import control_flow_cost  # late: cost walks bodies via the registry
+def body_cost(jaxpr, consts=()) -> tuple[float, float]:
+    """(flops, transcendentals) of an open jaxpr, inlined and dead-code-eliminated."""
+    costs = [cost_for(e) for e in flatten(jaxpr, consts)[0]]
+    return sum(c.flops for c in costs), sum(c.transcendentals for c in costs)
 
-    return control_flow_cost(eqn)
+
+def control_flow_cost(eqn) -> tuple[float, float]:
+    """(flops, transcendentals) of scan/while/cond: the work really done.
+
+    A scan's body counts `length` times (XLA's cost analysis counts any loop body
+    once; the planner needs the real work). A while loop's trip count is unknown,
+    so its body and condition count once; a cond counts its costliest branch.
+    """
+    bodies = [body_cost(j, c) for j, c in _jax.sub_jaxprs(eqn)]
+    if not bodies:
+        return 0.0, 0.0
+    if eqn.name == "scan":
+        n = eqn.params["length"]
+        return n * bodies[0][0], n * bodies[0][1]
+    if eqn.name == "cond":
+        return max(bodies, key=lambda c: c[0])
+    return sum(c[0] for c in bodies), sum(c[1] for c in bodies)
 
 
-@register("scan", "while", "cond", cost=_body_cost)
+@register("scan", "while", "cond", cost=control_flow_cost)
 def control_flow(eqn):
     return replicated(CONTROL_FLOW_NOTE)
 

@@ -35,7 +35,12 @@ def _reduce(eqn):
     return _kept_and_reduced(eqn, _MONOID[eqn.name])
 
 
-register(*_MONOID, cost=lambda e: (_reduced_minus_kept(e), 0.0))(_reduce)
+def _reduce_cost(eqn):
+    return _reduced_minus_kept(eqn), 0.0
+
+
+register("reduce_sum", cost=_reduce_cost, partial="unary")(_reduce)  # linear: carries a partial sum
+register(*(p for p in _MONOID if p != "reduce_sum"), cost=_reduce_cost)(_reduce)
 
 
 # XLA lowers argmax to a variadic (value, index) reduce: nine flops per step on CPU.

@@ -1,15 +1,22 @@
-"""One registry keyed by primitive name: sharding rule, cost, and local-size params.
+"""One registry keyed by primitive name: everything hapsynth knows about a primitive.
 
-Each entry describes a primitive once:
+Each entry describes a primitive once, where its rule module registers it:
 - `rule(eqn) -> Rule`: its factors (see `ir/graph.py`);
 - `cost(eqn) -> (flops, transcendentals)` in XLA's `cost_analysis()` convention;
 - `resize(eqn, in_shapes, out_shapes) -> params`: the params to evaluate the
   primitive at *local* (per-device) shapes. Only primitives whose params carry
-  sizes need one; the default keeps the params as they are.
+  sizes need one; the default keeps the params as they are;
+- facts the later stages ask about (`facts(name)` answers for any name):
+  `elementwise` (its rule is the elementwise one), `layout_only` (it only moves
+  layout: no arithmetic), `follower` (either of those: coarsening lets it join
+  its operands' node), `partial` (a partial sum may be carried through it, its
+  all-reduce postponed, where that cannot cost more: "unary" for linear ops that
+  keep or shrink one operand, "sum" for sums of partial sums) and `contraction`
+  (a dot or convolution).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -17,43 +24,61 @@ import numpy as np
 from hapsynth.ir.graph import BLOCKED, PARALLEL, REDUCTION, Cost, Factor, Rule
 
 
-@dataclass(frozen=True)
-class Entry:
-    rule: Callable
-    cost: Callable
-    resize: Callable | None = None
-
-
-REGISTRY: dict[str, Entry] = {}
-
-
 def _no_cost(eqn):
     return 0.0, 0.0
-
-
-def register(*names: str, cost: Callable = _no_cost, resize: Callable | None = None):
-    """Decorator: register a rule function for one or more primitive names."""
-
-    def deco(rule_fn):
-        for name in names:
-            REGISTRY[name] = Entry(rule_fn, cost, resize)
-        return rule_fn
-
-    return deco
 
 
 UNSUPPORTED = Rule((), supported=False)
 
 
+@dataclass(frozen=True)
+class Entry:
+    rule: Callable
+    cost: Callable = _no_cost
+    resize: Callable | None = None
+    elementwise: bool = False
+    layout_only: bool = False
+    partial: str | None = None  # None, "unary" or "sum"
+    contraction: bool = False
+
+    @property
+    def follower(self) -> bool:
+        """Coarsening: joins the node of the operands it reads (leads no node)."""
+        return self.elementwise or self.layout_only
+
+
+REGISTRY: dict[str, Entry] = {}
+_UNKNOWN = Entry(lambda eqn: UNSUPPORTED)  # no rule: replicated fallback, no facts
+
+
+def register(*names: str, cost: Callable = _no_cost, resize: Callable | None = None,
+             elementwise: bool = False, layout_only: bool = False, partial: str | None = None,
+             contraction: bool = False):
+    """Decorator: register a rule function, with its cost and facts, for primitive names."""
+    assert partial in (None, "unary", "sum"), partial
+
+    def deco(rule_fn):
+        for name in names:
+            REGISTRY[name] = Entry(rule_fn, cost, resize, elementwise, layout_only, partial, contraction)
+        return rule_fn
+
+    return deco
+
+
+def facts(name: str) -> Entry:
+    """The registry entry of a primitive; an unknown one gets an entry with no facts."""
+    return REGISTRY.get(name, _UNKNOWN)
+
+
 def rule_for(eqn) -> Rule:
-    entry = REGISTRY.get(eqn.name)
-    return entry.rule(eqn) if entry else UNSUPPORTED
+    """The eqn's rule, knowing its operand and result shapes (for printing)."""
+    return replace(facts(eqn.name).rule(eqn), operand_shapes=tuple(a.shape for a in eqn.in_avals),
+                   result_shapes=tuple(a.shape for a in eqn.out_avals))
 
 
 def cost_for(eqn) -> Cost:
     """Cost of one eqn; bytes are the non-literal operands plus the results."""
-    entry = REGISTRY.get(eqn.name)
-    flops, trans = entry.cost(eqn) if entry else (0.0, 0.0)
+    flops, trans = facts(eqn.name).cost(eqn)
     nbytes = sum(_nbytes(a) for a, x in zip(eqn.in_avals, eqn.inputs) if isinstance(x, int))
     nbytes += sum(_nbytes(a) for a in eqn.out_avals)
     return Cost(float(flops), float(trans), float(nbytes))
@@ -66,8 +91,8 @@ def _nbytes(aval) -> int:
 
 def local_params(eqn, in_shapes, out_shapes) -> dict:
     """Params for evaluating `eqn` on operands of `in_shapes` giving `out_shapes`."""
-    entry = REGISTRY.get(eqn.name)
-    if entry is None or entry.resize is None:
+    entry = facts(eqn.name)
+    if entry.resize is None:
         return dict(eqn.params)
     return entry.resize(eqn, tuple(map(tuple, in_shapes)), tuple(map(tuple, out_shapes)))
 

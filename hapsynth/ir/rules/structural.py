@@ -1,8 +1,8 @@
 """Shape-moving primitives: broadcast, reshape, transpose, slicing, padding, concat.
 
-They cost no flops. Those whose params carry sizes (`broadcast_in_dim`, `reshape`,
-`iota`, `slice`, `dynamic_slice`) get a `resize` that rewrites the params for a
-device's local shapes.
+They cost no flops; those that only move layout say so (`layout_only`). Those whose
+params carry sizes (`broadcast_in_dim`, `reshape`, `iota`, `slice`, `dynamic_slice`)
+get a `resize` that rewrites the params for a device's local shapes.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def _resize_shape(eqn, in_shapes, out_shapes):
     return {**eqn.params, "shape": tuple(out_shapes[0])}
 
 
-@register("broadcast_in_dim", resize=_resize_shape)
+@register("broadcast_in_dim", resize=_resize_shape, layout_only=True)
 def broadcast_in_dim(eqn):
     """Operand dim i -> result dim bdims[i] when not size-1-broadcast; new dims result-only."""
     a, o = eqn.in_avals[0], eqn.out_avals[0]
@@ -43,7 +43,8 @@ def reshape_groups(in_shape, out_shape):
     return groups
 
 
-@register("reshape", resize=lambda e, i, o: {**e.params, "new_sizes": tuple(o[0])})
+@register("reshape", resize=lambda e, i, o: {**e.params, "new_sizes": tuple(o[0])},
+          layout_only=True, partial="unary")
 def reshape(eqn):
     """Per merge/split group, the major dims share a factor of gcd size (Shardy-style)."""
     a, o = eqn.in_avals[0], eqn.out_avals[0]
@@ -54,14 +55,14 @@ def reshape(eqn):
     return rule(*factors)
 
 
-@register("transpose")
+@register("transpose", layout_only=True, partial="unary")
 def transpose(eqn):
     perm = eqn.params["permutation"]
     a = eqn.in_avals[0]
     return rule(*[par(a.shape[p], [(0, p)], [(0, d)]) for d, p in enumerate(perm)])
 
 
-@register("squeeze")
+@register("squeeze", layout_only=True, partial="unary")
 def squeeze(eqn):
     a = eqn.in_avals[0]
     gone = {d % a.ndim for d in eqn.params["dimensions"]}
@@ -69,7 +70,7 @@ def squeeze(eqn):
     return rule(*[par(a.shape[d], [(0, d)], [(0, j)]) for j, d in enumerate(kept)])
 
 
-@register("expand_dims")
+@register("expand_dims", layout_only=True)
 def expand_dims(eqn):  # not a lax primitive today; kept for forward compatibility
     a, o = eqn.in_avals[0], eqn.out_avals[0]
     new = set(eqn.params["dimensions"])
@@ -115,7 +116,7 @@ def _resize_slice(eqn, in_shapes, out_shapes):
     return {**eqn.params, "limit_indices": limits}
 
 
-@register("slice", resize=_resize_slice)
+@register("slice", resize=_resize_slice, partial="unary")
 def slice_(eqn):
     full = _full_slice_dims(eqn)
     return rule(*aligned_dims(eqn, skip=set(range(eqn.out_avals[0].ndim)) - full, operands=[0]))
@@ -146,7 +147,7 @@ def dynamic_update_slice(eqn):
     return rule(*aligned_dims(eqn, skip=set(range(a.ndim)) - full, operands=[0, 1]))
 
 
-@register("iota", resize=_resize_shape)
+@register("iota", resize=_resize_shape, layout_only=True)
 def iota(eqn):
     """Dims other than the counting one are parallel; the counting one is blocked."""
     o = eqn.out_avals[0]

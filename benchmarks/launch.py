@@ -1,10 +1,10 @@
 """Run one function in N local processes joined by `jax.distributed` (CPU, gloo).
 
-The emulation harness of `hapsynth bench hetero` and `hapsynth profile --processes`:
+The process launcher of `hapsynth bench hetero` and `hapsynth profile --processes`:
 each process owns one CPU device and one core, so N processes are N devices that
-really run side by side. `run("pkg.module:function", {...})` starts the processes,
-each calls `function(**kwargs)` after `jax.distributed.initialize`, and the value
-process 0 returns (JSON) comes back. A process that fails or hangs fails the run
+really run side by side. `run("pkg.module:function", {...})` starts the processes
+(`python -m hapsynth_bench.launch`), each calls `function(**kwargs)` after
+`jax.distributed.initialize`, and the value process 0 returns (JSON) comes back. A process that fails or hangs fails the run
 with its output, within `timeout` seconds.
 
 Found when building it (2 cores, XLA CPU, gloo): an unpinned XLA process uses every core
@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 
+MODULE = "hapsynth_bench.launch"  # what a worker process runs (`python -m`)
 MARK = "HAPSYNTH-RESULT "
 PROGRESS = "HAPSYNTH-PROGRESS "
 
@@ -116,7 +117,7 @@ def run(task: str, kwargs: dict | None = None, *, processes: int = 2, timeout: f
     spec = json.dumps({"task": task, "kwargs": kwargs or {}, "processes": processes,
                        "port": port, "cores": avail[:processes] if pin else None,
                        "path": sys.path, "parent": os.getpid()})
-    procs = [subprocess.Popen([sys.executable, "-m", "hapsynth.launch", spec, str(i)],
+    procs = [subprocess.Popen([sys.executable, "-m", MODULE, spec, str(i)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env=env) for i in range(processes)]
     outs = [[] for _ in procs]

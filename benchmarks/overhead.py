@@ -18,11 +18,12 @@ def overhead(model: str = "gpt", config: str = "tiny", reps: int = 20) -> dict:
     import numpy as np
 
     import hapsynth as hs
+    from hapsynth.lower.devices import local_devices
     from hapsynth.models import get
 
     cluster = hs.Cluster.load("cpu8-even")
     step, (params, opt, batch) = get(model, config)
-    mesh = Mesh(np.asarray(cluster.jax_devices()), ("d",))
+    mesh = Mesh(np.asarray(local_devices(cluster)), ("d",))
     rep, dp = NamedSharding(mesh, PS()), NamedSharding(mesh, PS("d"))
     ref = jax.jit(step, in_shardings=(rep, rep, dp), out_shardings=(rep, rep, rep))
     par = hs.parallelize(step, cluster=cluster, strategy="data-parallel")  # like for like

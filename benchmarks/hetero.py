@@ -1,9 +1,9 @@
 """`hapsynth bench hetero`: measured speed-ups on two emulated heterogeneous devices.
 
 Two `jax.distributed` processes on 127.0.0.1 (one CPU device and one core each, see
-`hapsynth.launch`) form a 2-device cluster; the slow device is emulated with the
-lowering's benchmark-only `work_repeat` knob (its branches run r times). In one run,
-per model and speed ratio r:
+`hapsynth_bench.launch`) form a 2-device cluster; the slow device is emulated by
+`hapsynth_bench.emulation.WorkRepeat`, a branch hook of the lowering (its branches run
+r times). In one run, per model and speed ratio r:
 
 1. calibration, from runs at 1:1 speeds only: the links (psum, all-gather and
    all-to-all sweeps, `hapsynth.profile.links`); the compute rate from even data
@@ -29,7 +29,7 @@ GRID = (0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95)
 
 
 def _cluster(flops: float, bandwidth: float, ratio: float, link: dict | None):
-    from hapsynth.synth.cluster import Cluster
+    from hapsynth.cluster import Cluster
 
     links = None
     if link:
@@ -45,7 +45,7 @@ def _time_steps(runs: dict, reps: int, warmup: int = 2) -> dict:
     """Alternate the programs step by step; median seconds per step of each."""
     import jax
 
-    from hapsynth.launch import quiet_gloo_loops
+    from hapsynth_bench.launch import quiet_gloo_loops
 
     state, batch = {}, {}
     for name, (lowered, args) in runs.items():
@@ -71,17 +71,18 @@ def _time_steps(runs: dict, reps: int, warmup: int = 2) -> dict:
 
 def measure(model: str, config: str, ratios, reps: int, time_limit: float,
             grid=GRID) -> list[dict]:
-    """One process's part of the benchmark (runs under `hapsynth.launch`)."""
+    """One process's part of the benchmark (runs under `hapsynth_bench.launch`)."""
     import jax
     import numpy as np
 
     from hapsynth import profile
-    from hapsynth.launch import progress
     from hapsynth.api import synthesize_once
     from hapsynth.ir import lift
     from hapsynth.lower.program import Lowered
     from hapsynth.models import get
     from hapsynth.synth.plan import Plan
+    from hapsynth_bench.emulation import WorkRepeat
+    from hapsynth_bench.launch import progress
 
     devices = jax.devices()
     link = profile.links()
@@ -94,13 +95,14 @@ def measure(model: str, config: str, ratios, reps: int, time_limit: float,
                                data_inputs=graph.inputs[nstate:], time_limit=time_limit, **kw)
 
     programs = {}
+    emulate = WorkRepeat((1, 1))  # one knob for every program: the speed ratio of the devices
 
     def lower(p):
         """One compiled program per distinct layout choice (a plan's times do not matter)."""
         text = json.dumps([p.tensor_layouts, p.op_inputs, p.op_factors, p.shard_units,
                            [c.form for c in p.conversions]], default=str)
         if text not in programs:
-            programs[text] = Lowered(prog, p, devices, work_repeat=(1, 1))
+            programs[text] = Lowered(prog, p, devices, branch_hook=emulate)
         return programs[text]
 
     # calibration, from runs at 1:1 only (no row's own measurement):
@@ -113,8 +115,9 @@ def measure(model: str, config: str, ratios, reps: int, time_limit: float,
     probe = plan(_cluster(1e11, 1e10, 1.0, link), strategy="data-parallel", shares=(0.5, 0.5))
     low = lower(probe)
     t1 = _time_steps({"probe": (low, args)}, reps)["probe"]
-    low.set_work_repeat((2, 2))
+    emulate.set((2, 2))
     t2 = _time_steps({"probe": (low, args)}, reps)["probe"]
+    emulate.set((1, 1))
     busy = probe.breakdown["compute_per_class"]["fast"]
     work = max(t2 - t1, 1e-6)
     scale = busy / work  # model seconds per measured second
@@ -149,7 +152,7 @@ def measure(model: str, config: str, ratios, reps: int, time_limit: float,
              f"{(link or {}).get('latency', 0) * 1e6:.0f} us")
 
     # one program per data-parallel split and per distinct plan, each compiled once:
-    # the emulated speed ratio is a runtime input of the program (`set_work_repeat`)
+    # the emulated speed ratio is a runtime input of the programs (`emulate.set`)
     clusters = {r: _cluster(flops, bandwidth, r, link) for r in ratios}
     dp = {r: {s: plan(clusters[r], strategy="data-parallel", shares=(s, 1 - s)) for s in splits}
           for r in ratios}
@@ -162,8 +165,7 @@ def measure(model: str, config: str, ratios, reps: int, time_limit: float,
 
     rows = []
     for r in ratios:
-        for low in programs.values():
-            low.set_work_repeat((1, int(round(r))))
+        emulate.set((1, int(round(r))))
         fast = r / (r + 1)
         runs = {"DP-EV": ("DP", 0.5), "DP-CP": ("DP", fast), "plan": ("plan", r),
                 **{f"grid {s:.2f}": ("DP", s) for s in grid}}
@@ -193,13 +195,12 @@ def measure(model: str, config: str, ratios, reps: int, time_limit: float,
 def _latency_steps(plan, k: int) -> int:
     """Latency terms (alpha) the cost model charges `plan` on k devices: each inline
     collective's steps, and one all-reduce's for the combined gradient collectives."""
-    steps = 0
-    for c in plan.conversions:
-        if c.deferred or not c.seconds:
-            continue
-        twice = c.collective == "all_reduce" or c.form == "grouped"
-        steps += 2 * (k - 1) if twice else k - 1
-    return steps + (2 * (k - 1) if any(c.deferred for c in plan.conversions) else 0)
+    from hapsynth.synth.collectives import ALL_REDUCE, latency_steps, steps
+
+    inline = sum(latency_steps(c.collective, c.form, k) for c in plan.conversions
+                 if c.seconds and not c.deferred)
+    grouped = any(c.deferred for c in plan.conversions)
+    return inline + (steps(ALL_REDUCE, k) if grouped else 0)
 
 
 def _comm(plan) -> float:
@@ -207,12 +208,12 @@ def _comm(plan) -> float:
 
 
 def run(models, ratios=(2, 3), reps: int = 8, time_limit: float = 5.0) -> list[dict]:
-    from hapsynth import launch
+    from hapsynth_bench import launch
 
     rows = []
     for spec in models:
         model, config = spec.split("-") if "-" in spec else (spec, "tiny")
-        rows += launch.run("hapsynth.bench.hetero:measure", echo=True, kwargs=
+        rows += launch.run("hapsynth_bench.hetero:measure", echo=True, kwargs=
                            {"model": model, "config": config, "ratios": list(ratios),
                             "reps": reps, "time_limit": time_limit})
         print(format_rows(rows[-len(ratios):]), file=sys.stderr, flush=True)

@@ -1,0 +1,21 @@
+"""`hapsynth bench overhead|hetero`: `hapsynth.cli` parses the command and calls `bench`."""
+from __future__ import annotations
+
+import json
+
+
+def bench(kind: str, model: str | None = None, config: str | None = None,
+          reps: int | None = None, ratios=(2.0, 3.0), as_json: bool = False) -> int:
+    """Run one benchmark and print its result; the exit status."""
+    if kind == "overhead":
+        from hapsynth_bench import overhead
+
+        return overhead.main(model or "gpt", config or "tiny", reps or 20)
+    if kind != "hetero":
+        raise ValueError(f"no benchmark {kind!r} (overhead, hetero)")
+    from hapsynth_bench import hetero
+
+    models = [model + "-" + (config or "tiny")] if model else list(hetero.MODELS)
+    rows = hetero.run(models, ratios=ratios, reps=reps or 8)
+    print(json.dumps(rows, indent=1) if as_json else hetero.format_rows(rows))
+    return 0

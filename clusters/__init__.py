@@ -1,0 +1,1 @@
+"""Built-in cluster presets: TOML package data, installed as `hapsynth.cluster.presets`."""

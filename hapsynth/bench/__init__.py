@@ -1,1 +1,0 @@
-"""Benchmarks measured side by side in one run: `hapsynth bench overhead|hetero`."""

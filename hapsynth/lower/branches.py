@@ -1,0 +1,103 @@
+"""Per-group evaluation of a segment, and the `lax.switch` that picks a device's group.
+
+Devices with equal shard sizes form a *group*. A group's branch slices its operands to
+the group's static sizes, binds each primitive with params resized for them
+(`local_params`), and pads S results back to the stored (largest) size, so every
+branch returns the same shapes. XLA executes only the taken branch: a device computes
+only its own share.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from hapsynth.ir.rules import local_params
+from hapsynth.ir.trace import Const, Program
+from hapsynth.lower import cpu
+from hapsynth.lower.values import Geometry
+from hapsynth.synth.plan import Plan
+
+__all__ = ["groups", "Segments", "switch"]
+
+
+def groups(units: dict, k: int) -> tuple[np.ndarray, list[int]]:
+    """(group of each device, one device of each group): devices with equal units in
+    every split of `units` share a group, numbered in order of first device."""
+    keys = sorted(units)
+    sig = [tuple(units[u][i] for u in keys) for i in range(k)]
+    first: dict = {}
+    group_of = np.array([first.setdefault(s, len(first)) for s in sig], np.int32)
+    return group_of, [sig.index(s) for s in first]
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Evaluates segments of `prog` under `plan` (`units`: its shard_units; `keep`: ops
+    followed by a barrier, `cpu.keep_dot`)."""
+
+    prog: Program
+    plan: Plan
+    units: dict
+    keep: frozenset
+
+    def run(self, seg: Sequence[int], ext: dict, dev: int | None, exports) -> list:
+        """Evaluate a segment's ops for the devices of `dev`'s group (None: full size).
+
+        `ext` maps (tensor, layout) of operands made before the segment to stored values;
+        returns the `exports`, S-layout ones padded back to their stored size."""
+        prog, plan = self.prog, self.plan
+        local = {}
+
+        def fetch(x, need):
+            if isinstance(x, Const):
+                return x.value
+            if x in local:
+                return local[x]
+            v = ext[(x, need)]
+            if dev is not None and need.kind == "S":
+                rows = Geometry.of(need, prog.avals[x].shape, self.units).rows[dev]
+                v = lax.slice_in_dim(v, 0, rows, axis=need.dim)
+            return v
+
+        for op_id in seg:
+            eqn = prog.eqns[op_id]
+            vals = [fetch(x, n) for x, n in zip(eqn.inputs, plan.op_inputs[op_id])]
+            params = eqn.params
+            if plan.op_factors[op_id] >= 0 and dev is not None:
+                shapes = []
+                for t, aval in zip(eqn.outputs, eqn.out_avals):
+                    lay, shape = plan.tensor_layouts[t], list(aval.shape)
+                    if lay.kind == "S":
+                        shape[lay.dim] = Geometry.of(lay, aval.shape, self.units).rows[dev]
+                    shapes.append(shape)
+                params = local_params(eqn, [np.shape(v) for v in vals], shapes)
+            outs = cpu.bind(eqn.primitive, vals, params, barrier=op_id in self.keep)
+            local.update(zip(eqn.outputs, outs))
+        result = []
+        for t in exports:
+            v, lay = local[t], plan.tensor_layouts[t]
+            if lay.kind == "S" and dev is not None:
+                pad = [(0, 0)] * v.ndim
+                pad[lay.dim] = (0, Geometry.of(lay, prog.avals[t].shape, self.units).pad
+                                - v.shape[lay.dim])
+                v = jnp.pad(v, pad)
+            result.append(v)
+        return result
+
+    def branch(self, seg: Sequence[int], keys: Sequence, exports, dev: int | None) -> Callable:
+        """The branch function of `dev`'s group: operands in the order of `keys`
+        (`schedule.operands`) -> tuple of the exports."""
+        def once(*a):
+            return tuple(self.run(seg, dict(zip(keys, a)), dev, exports))
+        return once
+
+
+def switch(group, branches: Sequence[Callable], args):
+    """Run the branch of this device's `group` (a traced index); one branch: no switch."""
+    if len(branches) == 1:
+        return branches[0](*args)
+    return lax.switch(group, list(branches), *args)

@@ -1,0 +1,89 @@
+"""From a chosen assignment to the `Plan` value: layouts, conversions, names, breakdown."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hapsynth.ir.layout import R
+from hapsynth.ir.signature import of_graph
+from hapsynth.synth.plan import Conversion, NodePlan, Plan
+from hapsynth.synth.search import Priced
+from hapsynth.synth.timing import evaluate
+
+
+@dataclass(frozen=True)
+class Choice:
+    """An assignment (strategy index per node) at one set of shares, and its step time."""
+
+    name: str           # "synthesized", "DP-CP", "DP-EV" or "DP"
+    priced: Priced
+    assign: tuple[int, ...]
+    time: float
+
+
+def assemble(problem, choice: Choice, base: dict[str, Choice], solver: dict) -> Plan:
+    graph, cluster = problem.graph, problem.cluster
+    st, tables, assign = problem.structure, choice.priced.tables, choice.assign
+    ev = evaluate(tables, assign)
+    op_factors = [-1] * len(graph.ops)
+    op_inputs = [()] * len(graph.ops)
+    layouts = [R] * len(graph.tensors)
+    busy = [0.0] * cluster.num_classes
+    for n, s in enumerate(assign):
+        strat = st.strategies[n][s]
+        for t, lay in strat.layouts.items():
+            layouts[t] = lay
+        for op_id, ch in strat.choices:
+            op_factors[op_id] = -1 if ch.factor is None else ch.factor
+            op_inputs[op_id] = ch.inputs
+            for c, t in enumerate(tables.pricer.class_times(graph.ops[op_id], ch)):
+                busy[c] += t
+    convs = []
+    for e in tables.edges:
+        lay = e.layouts[assign[e.src]]
+        if not e.seconds(lay) or not e.needed(assign):
+            continue
+        coll, form, sec = e.conversions[lay]
+        convs.append(Conversion(e.tensor, lay, e.need, coll, form, sec, e.deferred,
+                                int(graph.tensors[e.tensor].nbytes), e.src))
+    names = {c.name: c for c in cluster.classes}
+    return Plan(
+        cluster=cluster.name, classes=tuple(names),
+        ratios={c.name: float(s) for c, s in zip(cluster.classes, choice.priced.shares)},
+        predicted_step_time=ev.step,
+        breakdown={"compute": ev.compute, "inline_comm": ev.inline_comm,
+                   "deferred_comm": ev.deferred_comm, "exposed_comm": ev.exposed_comm,
+                   "compute_per_class": dict(zip(names, busy)),
+                   "idle_per_class": {k: ev.step - b for k, b in zip(names, busy)}},
+        baselines={**{k: b.time for k, b in base.items()},
+                   "ideal": graph.flops / cluster.total_flops},
+        baseline_memory={k: int(b.priced.memory.total(b.assign)) for k, b in base.items()},
+        memory={c.name: {"need": int(choice.priced.memory.total(assign)),
+                         "capacity": int(c.memory)} for c in cluster.classes},
+        solver=solver, nodes=_nodes(graph, st, assign, layouts, op_inputs),
+        op_factors=tuple(op_factors), tensor_layouts=tuple(layouts), op_inputs=tuple(op_inputs),
+        conversions=tuple(convs), shard_units={int(k): tuple(v) for k, v in tables.units.items()},
+        signature=of_graph(graph), unsupported=dict(graph.unsupported),
+        chosen=choice.name, state_leaves=st.num_state_leaves)
+
+
+def _nodes(graph, st, assign, layouts, op_inputs) -> tuple[NodePlan, ...]:
+    """Per node: ops, strategy name, the tensors it reads from elsewhere (as read) and the
+    ones it makes that others read (as made)."""
+    node_of_tensor = {t: graph.ops[graph.tensors[t].producer].node for t in range(len(graph.tensors))
+                      if graph.tensors[t].producer is not None}
+    read_elsewhere = {t for op in graph.ops for t in op.inputs
+                      if t is not None and node_of_tensor.get(t, -1) != op.node}
+    read_elsewhere.update(t for t in graph.outputs if t is not None)
+    out = []
+    for node, s in zip(graph.nodes, assign):
+        ins: dict = {}
+        outs = []
+        for op_id in node.ops:
+            op = graph.ops[op_id]
+            for t, lay in zip(op.inputs, op_inputs[op_id]):
+                if t is not None and node_of_tensor.get(t, -1) != node.id:
+                    ins.setdefault((t, lay), None)
+            outs += [(t, layouts[t]) for t in op.outputs if t in read_elsewhere]
+        out.append(NodePlan(node.ops, node.kind, st.strategies[node.id][s].name,
+                            tuple(ins), tuple(outs)))
+    return tuple(out)

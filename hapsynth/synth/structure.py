@@ -1,0 +1,79 @@
+"""What a plan chooses from, independent of shard sizes: strategies per node, and which
+layout of which tensor each strategy needs (the conversions that may be paid)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping
+
+from hapsynth.ir.graph import Graph
+from hapsynth.ir.layout import R, Layout
+from hapsynth.ir.rules import facts
+from hapsynth.synth.strategy import Strategy, link_factors, node_strategies
+
+
+@dataclass(frozen=True)
+class Need:
+    """Tensor `tensor` is needed in layout `layout` by the node strategies in `consumers`
+    ({node: strategy indices}; node -1: the step's output) through the ops `ops`."""
+
+    tensor: int
+    layout: Layout
+    consumers: Mapping[int, frozenset]
+    ops: frozenset
+
+
+@dataclass(frozen=True)
+class Structure:
+    graph: Graph
+    strategies: tuple[tuple[Strategy, ...], ...]  # per node
+    needs: tuple[Need, ...]
+    producer_node: Mapping[int, int]               # tensor -> node making it
+    tail_start: int                                # first op after the last contraction
+    pairs: Mapping[int, int]                       # state input tensor -> its update
+    num_state_leaves: int = 0
+
+
+def state_pairs(graph: Graph, num_state_leaves: int) -> dict[int, int]:
+    """input tensor -> output tensor for state leaves (the step's fixed point)."""
+    return {graph.inputs[i]: graph.outputs[i] for i in range(num_state_leaves)
+            if graph.outputs[i] is not None}
+
+
+def build_structure(graph: Graph, *, num_state_leaves: int = 0, max_classes: int = 3,
+                    uf=None, keep=(), roles=None) -> Structure:
+    """Strategies of every node (replicate, carry partial sums, the heaviest factor classes
+    and `keep`), and every (tensor, layout) a strategy reads from another node.
+
+    A state input is read in its update's layout (the step's fixed point); data inputs
+    are fed in whatever layout is needed, so they need nothing; outputs the user reads
+    (not state) must end replicated."""
+    uf = uf or link_factors(graph)
+    contraction_at = [op.id for op in graph.ops if facts(op.primitive).contraction]
+    tail_start = (max(contraction_at) + 1) if contraction_at else len(graph.ops)
+    producer_node = {t.id: graph.ops[t.producer].node for t in graph.tensors
+                     if t.producer is not None}
+    pairs = state_pairs(graph, num_state_leaves)
+    strategies, needs = [], {}
+    for node in graph.nodes:
+        strats = node_strategies(graph, node, uf, max_classes, keep, roles)
+        strategies.append(tuple(strats))
+        for si, st in enumerate(strats):
+            for op_id, ch in st.choices:
+                for i, t in enumerate(graph.ops[op_id].inputs):
+                    if t is None or ch.inputs[i] is None:
+                        continue
+                    src = pairs.get(t, t)
+                    if src not in producer_node:
+                        continue
+                    consumers, ops = needs.setdefault((src, ch.inputs[i]), ({}, set()))
+                    consumers.setdefault(node.id, set()).add(si)
+                    ops.add(op_id)
+    state_outs = set(pairs.values())
+    for t in graph.outputs:
+        if t is not None and t not in state_outs and t in producer_node:
+            needs.setdefault((t, R), ({}, set()))[0][-1] = {0}
+    frozen = tuple(Need(t, lay, MappingProxyType({n: frozenset(s) for n, s in cons.items()}),
+                        frozenset(ops)) for (t, lay), (cons, ops) in needs.items())
+    return Structure(graph, tuple(strategies), frozen, MappingProxyType(producer_node),
+                     tail_start, MappingProxyType(pairs), num_state_leaves)
