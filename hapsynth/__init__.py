@@ -8,8 +8,9 @@ from hapsynth.api import Parallelized, inspect, parallelize
 from hapsynth.cluster import Cluster, ClusterError, DeviceClass, LinkLevel
 from hapsynth.lower.values import Sharded, gather
 from hapsynth.synth.plan import Plan, PlanMismatch
-from hapsynth.synth.synthesize import InfeasibleMemory
+from hapsynth.synth.synthesize import InfeasibleMemory, NoDataParallelism
 
 __all__ = ["Cluster", "ClusterError", "DeviceClass", "InfeasibleMemory", "LinkLevel",
-           "Parallelized", "Plan", "PlanMismatch", "Sharded", "gather", "inspect", "parallelize"]
+           "NoDataParallelism", "Parallelized", "Plan", "PlanMismatch", "Sharded", "gather",
+           "inspect", "parallelize"]
 __version__ = "0.1.0"

@@ -50,13 +50,20 @@ def _is_sharded(v) -> bool:
 
 def state_arity(train_step, args) -> int:
     """How many leading arguments are state: the output's leading elements with the same
-    pytree structure (params, opt_state) are fed back as the next step's arguments."""
+    pytree structure, shapes and dtypes (params, opt_state) are fed back as the next
+    step's arguments. (A batch of token ids is one leaf like the loss, but not its shape.)"""
     out = jax.eval_shape(train_step, *args)
     if not isinstance(out, (tuple, list)):
         return 0
+
+    def same(a, b) -> bool:
+        la, ta = jax.tree.flatten(a, is_leaf=_is_sharded)
+        lb, tb = jax.tree.flatten(b, is_leaf=_is_sharded)
+        return ta == tb and all(tuple(x.shape) == tuple(y.shape) and x.dtype == y.dtype
+                                for x, y in zip(la, lb))
+
     k = 0
-    while k < min(len(out), len(args)) and \
-            jax.tree.structure(out[k]) == jax.tree.structure(args[k]):
+    while k < min(len(out), len(args)) and same(out[k], args[k]):
         k += 1
     return k
 

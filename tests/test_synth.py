@@ -11,7 +11,7 @@ from hapsynth.ir.layout import P, R
 from hapsynth.synth.pricing import price, shard_units
 from hapsynth.synth.search import data_parallel
 from hapsynth.synth.solver import solve
-from hapsynth.synth.strategy import batch_class, link_factors
+from hapsynth.synth.strategy import batch_classes, link_factors
 from hapsynth.synth.structure import build_structure
 from hapsynth.synth.timing import evaluate
 
@@ -36,14 +36,14 @@ def _dp_setup(model, cluster_name):
     _, graph = lift(step, *args)
     nstate = len(jax.tree.leaves(args[:2]))
     uf = link_factors(graph)
-    b = batch_class(graph, uf, graph.inputs[nstate:])
+    b = batch_classes(graph, uf, graph.inputs[nstate:])
     return cluster, graph, nstate, uf, b
 
 
 def test_data_parallel_pricing_syncs_each_gradient_once():
     """DP on an even cluster: exactly the gradients (and the loss) are all-reduced, once each."""
     cluster, graph, nstate, uf, b = _dp_setup("mlp", "cpu8-even")
-    tables = build_tables(graph, cluster, [1.0], num_state_leaves=nstate, uf=uf, keep=(b,))
+    tables = build_tables(graph, cluster, [1.0], num_state_leaves=nstate, uf=uf, keep=b)
     dp = data_parallel(tables, b)
     synced = [e for e in tables.edges if e.needed(dp) and e.seconds(e.layouts[dp[e.src]])]
     assert all((e.layouts[dp[e.src]], e.need) == (P, R) for e in synced)
@@ -58,7 +58,7 @@ def test_data_parallel_pricing_syncs_each_gradient_once():
 def test_solver_objective_matches_evaluator_and_beats_its_hint(model):
     cluster, graph, nstate, uf, b = _dp_setup(model, "cpu-2-6")
     shares = [c.count * c.flops / cluster.total_flops for c in cluster.classes]
-    tables = build_tables(graph, cluster, shares, num_state_leaves=nstate, uf=uf, keep=(b,))
+    tables = build_tables(graph, cluster, shares, num_state_leaves=nstate, uf=uf, keep=b)
     dp = data_parallel(tables, b)
     assign, stats = solve(tables, dp, time_limit=10, workers=2, seed=0)
     assert stats.status in ("OPTIMAL", "FEASIBLE")

@@ -19,6 +19,11 @@ class Choice:
     assign: tuple[int, ...]
     time: float
 
+    def sharded_ops(self, structure) -> int:
+        """How many ops the assignment shards."""
+        return sum(ch.factor is not None for n, s in enumerate(self.assign)
+                   for _, ch in structure.strategies[n][s].choices)
+
 
 def assemble(problem, choice: Choice, base: dict[str, Choice], solver: dict) -> Plan:
     graph, cluster = problem.graph, problem.cluster
@@ -57,6 +62,7 @@ def assemble(problem, choice: Choice, base: dict[str, Choice], solver: dict) -> 
         baselines={**{k: b.time for k, b in base.items()},
                    "ideal": graph.flops / cluster.total_flops},
         baseline_memory={k: int(b.priced.memory.total(b.assign)) for k, b in base.items()},
+        baseline_ops={k: b.sharded_ops(st) for k, b in base.items()},
         memory={c.name: {"need": int(choice.priced.memory.total(assign)),
                          "capacity": int(c.memory)} for c in cluster.classes},
         solver=solver, nodes=_nodes(graph, st, assign, layouts, op_inputs),

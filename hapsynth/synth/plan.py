@@ -61,6 +61,7 @@ class Plan:
     state_leaves: int = 0             # leading input leaves fed back from the outputs
     unsupported: dict = None          # primitives planned replicated for lack of a rule
     chosen: str = "synthesized"       # or "DP-CP"/"DP-EV" when a baseline was already best
+    baseline_ops: dict = None         # {"DP-EV": ops sharded, "DP-CP": ops sharded}
 
     @property
     def strategies(self) -> tuple[str, ...]:
@@ -133,10 +134,19 @@ class Plan:
                      for k, v in b["compute_per_class"].items())]
         base = self.baselines
         cap = min(m["capacity"] for m in self.memory.values())
-        fit = {k: "" if v <= cap else f", needs {v / 2**30:.1f} GiB: does not fit"
-               for k, v in self.baseline_memory.items()}
-        lines.append(f"  baselines:   DP-EV {base['DP-EV']:.4g} s ({self.speedups['DP-EV']:.2f}x{fit['DP-EV']}), "
-                     f"DP-CP {base['DP-CP']:.4g} s ({self.speedups['DP-CP']:.2f}x{fit['DP-CP']})")
+        n_ops = len(self.op_factors)
+        dp = []
+        for k in ("DP-EV", "DP-CP"):
+            if k not in base:
+                continue
+            fit = ("" if self.baseline_memory[k] <= cap else
+                   f", needs {self.baseline_memory[k] / 2**30:.1f} GiB: does not fit")
+            ops = (self.baseline_ops or {}).get(k)
+            shards = "" if ops is None else f", shards {ops} of {n_ops} ops"
+            dp.append(f"{k} {base[k]:.4g} s ({self.speedups[k]:.2f}x{shards}{fit})")
+        lines.append("  baselines:   " + ("; ".join(dp) if dp else
+                     "none: no op reads a data input's leading dim (data parallelism does "
+                     "not apply)"))
         lines.append(f"  ideal:       {base['ideal']:.4g} s (the plan is at "
                      f"{base['ideal'] / self.predicted_step_time:.0%} of the limit)")
         sharded = sum(1 for f in self.op_factors if f >= 0)

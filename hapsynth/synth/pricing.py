@@ -74,7 +74,7 @@ class Pricer:
 
     def class_times(self, op, choice) -> tuple[float, ...]:
         """Per class, the busiest device's compute time for this op under `choice`."""
-        size = None if choice.factor is None else op.rule.factors[choice.factor].size
+        size = None if choice.factor is None else choice.units
         key = (op.cost, size)
         if key not in self._op:
             self._op[key] = tuple(costmodel.compute_time(self._share(op.cost, size, c), cls)

@@ -72,8 +72,9 @@ def switch_classes(tables: Tables, assign, classes) -> list[int]:
 
 
 def data_parallel(tables: Tables, batch) -> list[int]:
-    """Every node shards the batch class if it holds it, else replicates."""
-    return switch_classes(tables, [0] * len(tables.strategies), [batch])
+    """Every node shards a batch class if it holds one (`batch`: the classes, most ops
+    first), else replicates."""
+    return switch_classes(tables, [0] * len(tables.strategies), batch)
 
 
 def state_classes(graph, uf, num_state_leaves: int, fraction: float = 0.25) -> list[list]:

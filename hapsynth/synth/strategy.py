@@ -1,17 +1,20 @@
 """Candidate strategies per node, from factor classes (Shardy-style propagation).
 
-Factors of different ops are *linked* when they sit on the same dim of a tensor
-that one op produces and another reads, and have the same size. Linked factors
-form a class; sharding a class shards every op that holds one of its factors.
-Within a node, a strategy is "shard class c" or "replicate". The same linking done
-across the whole graph names the *batch class* (the one holding dim 0 of the data
-arguments): data parallelism is "every node shards the batch class".
+Factors of different ops are *linked* when they sit on the same dim of a tensor that
+one op produces and another reads. Linked factors form a class; sharding a class
+shards every op that holds one of its factors. Sizes may differ where a reshape
+merges or splits a dim (the batch of [B, S] -> [B*S]: factors B and B*S on one dim):
+both split alike in blocks of the class's *units*, the gcd of its factors' sizes (a
+dim holds each of its factors as its major part). Within a node, a strategy is
+"shard class c" or "replicate". The classes holding dim 0 of the data arguments are
+the *batch*: data parallelism is "every node shards a batch class".
 
 Layouts are `hapsynth.ir.layout.Layout` values: `R`, `P` (partial sum) or
 `S(dim, units)`.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from hapsynth.ir.graph import REDUCTION, Graph, factor_letter
@@ -20,17 +23,34 @@ from hapsynth.ir.rules import facts
 from hapsynth.ir.unionfind import UnionFind
 
 
-def link_factors(graph: Graph, ops=None) -> UnionFind:
-    """Union (op, factor) pairs that share a tensor dim between producer and consumer."""
+class FactorClasses(UnionFind):
+    """Disjoint sets of (op, factor), each class sharded in `units(class)` blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.size: dict = {}     # (op, factor) -> factor size
+        self._units: dict = {}   # class root -> units, filled by `link_factors`
+
+    def units(self, klass) -> int:
+        """Blocks every dim holding the class splits in: the gcd of its factors' sizes."""
+        return self._units[self.find(klass)]
+
+
+def link_factors(graph: Graph, ops=None, min_units: int = 1) -> FactorClasses:
+    """Link (op, factor) pairs that share a tensor dim between producer and consumer:
+    always when their sizes are equal; when one divides the other (a reshape merged or
+    split the dim) only if the smaller still has `min_units` units (so a batch never
+    degrades into, say, 4 microbatches)."""
     ops = graph.ops if ops is None else ops
     keep = {op.id for op in ops}
-    uf = UnionFind()  # roots are the smallest (op, factor): deterministic class names
+    uf = FactorClasses()  # roots are the smallest (op, factor): deterministic class names
     result_pos: dict[tuple[int, int], list] = {}  # (tensor, dim) -> [(op, factor)] producing it
     for op in ops:
         for fi, f in enumerate(op.rule.factors):
             if not f.shardable:
                 continue
             uf.find((op.id, fi))
+            uf.size[(op.id, fi)] = f.size
             for (j, d) in f.results:
                 result_pos.setdefault((op.outputs[j], d), []).append((op.id, fi, f.size))
     for op in ops:
@@ -42,9 +62,13 @@ def link_factors(graph: Graph, ops=None) -> UnionFind:
                 if t is None:
                     continue
                 for (pop, pfi, psize) in result_pos.get((t, d), ()):
-                    if pop in keep and psize == f.size:
+                    small, big = sorted((psize, f.size))
+                    if pop in keep and (small == big or (big % small == 0 and small >= min_units)):
                         a, b = sorted((uf.find((pop, pfi)), uf.find((op.id, fi))))
                         uf.union(a, b)
+    for item, size in uf.size.items():
+        root = uf.find(item)
+        uf._units[root] = math.gcd(uf._units.get(root, 0), size)
     return uf
 
 
@@ -55,10 +79,12 @@ class OpChoice:
     factor: int | None          # sharded factor index, or None (replicated / partial carry)
     inputs: tuple               # required layout per operand (None for literals)
     outputs: tuple              # produced layout per result
+    units: int = 0              # blocks the sharded factor splits in (divides its size)
 
 
-def op_choice(op, factor: int | None, in_layouts=None) -> OpChoice:
-    """Required input and produced output layouts of `op` sharding `factor`.
+def op_choice(op, factor: int | None, in_layouts=None, units: int | None = None) -> OpChoice:
+    """Required input and produced output layouts of `op` sharding `factor` in `units`
+    blocks (default: the factor's size).
 
     With `factor=None` the op is replicated, unless `in_layouts` shows a partial-sum
     operand it is linear in: then it carries `P` through (no all-reduce yet).
@@ -66,19 +92,20 @@ def op_choice(op, factor: int | None, in_layouts=None) -> OpChoice:
     nin = len(op.inputs)
     if factor is not None:
         f = op.rule.factors[factor]
+        u = units or f.size
         ins, outs = [], []
         for i in range(nin):
             dims = [d for (o, d) in f.operands if o == i]
             if op.inputs[i] is None:
                 ins.append(None)
             elif dims:
-                ins.append(S(dims[0], f.size))
+                ins.append(S(dims[0], u))
             else:
                 ins.append(P if f.kind == REDUCTION else R)
         for j in range(len(op.outputs)):
             dims = [d for (r, d) in f.results if r == j]
-            outs.append(S(dims[0], f.size) if dims else (P if f.kind == REDUCTION else R))
-        return OpChoice(factor, tuple(ins), tuple(outs))
+            outs.append(S(dims[0], u) if dims else (P if f.kind == REDUCTION else R))
+        return OpChoice(factor, tuple(ins), tuple(outs), u)
     layouts = in_layouts or [R] * nin
     tensors = [i for i in range(nin) if op.inputs[i] is not None]
     carry = facts(op.primitive).partial  # ops a partial sum may pass through (registry facts)
@@ -112,11 +139,14 @@ REPLICATE = "replicate"
 CARRY = "replicate, carry partial sums"
 
 
-def class_name(op, fi: int, role: str | None = None) -> str:
+def class_name(op, fi: int, role: str | None = None, units: int | None = None) -> str:
     """A sharded class named by one op holding it: "shard c=768 of dot_general", with
-    its role ("the batch") when known and ", partial sums" for a sum reduction."""
+    its role ("the batch") when known, its units when coarser than the factor ("in 12
+    blocks") and ", partial sums" for a sum reduction."""
     f = op.rule.factors[fi]
     what = f"{factor_letter(fi)}={f.size} of {op.primitive}"
+    if units and units != f.size:
+        what += f" in {units} blocks"
     text = f"shard {role} ({what})" if role else f"shard {what}"
     return text + (", partial sums" if f.kind == REDUCTION else "")
 
@@ -149,7 +179,7 @@ def node_strategies(graph: Graph, node, uf: UnionFind, max_classes: int = 6,
         out.append(carry)
     seen: dict[str, int] = {}
     for c in classes:
-        name = class_name(*heaviest[c][1:], roles.get(c))
+        name = class_name(*heaviest[c][1:], roles.get(c), uf.units(c))
         seen[name] = seen.get(name, 0) + 1
         out.append(propagate(graph, ops, c, uf,
                              name=name if seen[name] == 1 else f"{name} #{seen[name]}"))
@@ -165,6 +195,7 @@ def propagate(graph: Graph, ops, klass, uf: UnionFind, carry: bool = False,
     """
     layout: dict[int, object] = {}
     choices = []
+    units = None if klass is None else uf.units(klass)
     for op in ops:
         factor = None
         if klass is not None:
@@ -174,21 +205,25 @@ def propagate(graph: Graph, ops, klass, uf: UnionFind, carry: bool = False,
                     break
         outside = P if carry else R
         in_layouts = [layout.get(t, outside) if t is not None else None for t in op.inputs]
-        ch = op_choice(op, factor, in_layouts)
+        ch = op_choice(op, factor, in_layouts, units)
         for t, lay in zip(op.outputs, ch.outputs):
             layout[t] = lay
         choices.append((op.id, ch))
     return Strategy(klass, tuple(choices), layout, name)
 
 
-def batch_class(graph: Graph, uf: UnionFind, data_inputs) -> tuple | None:
-    """The factor class holding dim 0 of the data arguments (what data parallelism shards)."""
+def batch_classes(graph: Graph, uf: FactorClasses, data_inputs) -> tuple:
+    """The factor classes holding dim 0 of the data arguments, most ops first: what data
+    parallelism shards (several when no op joins two data inputs' batches)."""
     data = set(data_inputs)
-    for op in graph.ops:
-        for fi, f in enumerate(op.rule.factors):
-            if f.shardable and any(op.inputs[i] in data and d == 0 for (i, d) in f.operands):
-                return uf.find((op.id, fi))
-    return None
+    found = {uf.find((op.id, fi)) for op in graph.ops for fi, f in enumerate(op.rule.factors)
+             if f.shardable and any(op.inputs[i] in data and d == 0 for (i, d) in f.operands)}
+    reach: dict = {}
+    for item in uf.size:
+        root = uf.find(item)
+        if root in found:
+            reach[root] = reach.get(root, 0) + 1
+    return tuple(sorted(found, key=lambda c: (-reach[c], c)))
 
 
 def layer_ties(graph: Graph, strategies) -> list[int]:

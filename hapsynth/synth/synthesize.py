@@ -1,7 +1,7 @@
 """Synthesis: alternate strategy choice and per-class shares (HAP's scheme).
 
 1. The problem: strategies per node and the conversions they need (share-independent),
-   the batch class, the big state tensors' classes, layer ties.
+   the batch classes, the big state tensors' classes, layer ties.
 2. Baselines at the same cost model: data parallelism at even (DP-EV) and FLOP/s-
    proportional (DP-CP) shares, and the ideal.
 3. Starts (data parallel, or sharding the big state), made to fit memory; local search.
@@ -21,7 +21,7 @@ from hapsynth.synth.assemble import Choice, assemble
 from hapsynth.synth.search import (Priced, data_parallel, fit_memory, local_search, share_candidates,
                                    shares_by, state_classes, switch_classes)
 from hapsynth.synth.solver import solve
-from hapsynth.synth.strategy import batch_class, layer_ties, link_factors
+from hapsynth.synth.strategy import batch_classes, layer_ties, link_factors
 from hapsynth.synth.structure import Structure, build_structure
 
 
@@ -52,7 +52,7 @@ class Problem:
     graph: Graph
     cluster: Cluster
     structure: Structure
-    batch: object            # the factor class data parallelism shards
+    batch: tuple             # the factor classes data parallelism shards (most ops first)
     state_groups: tuple      # per dim of the big state tensors: the classes sharding it
     ties: list | None        # node -> representative node (repeated layers decide once)
     capacity: float          # bytes: the smallest class's memory
@@ -60,14 +60,13 @@ class Problem:
     @classmethod
     def build(cls, graph: Graph, cluster: Cluster, num_state_leaves: int, data_inputs,
               options: Options = Options()) -> "Problem":
-        uf = link_factors(graph)
-        batch = batch_class(graph, uf, data_inputs)
+        uf = link_factors(graph, min_units=cluster.num_devices)
+        batch = batch_classes(graph, uf, data_inputs)
         groups = tuple(tuple(g) for g in state_classes(graph, uf, num_state_leaves))
-        keep = tuple(dict.fromkeys(c for c in (batch, *(c for g in groups for c in g))
-                                   if c is not None))
+        keep = tuple(dict.fromkeys((*batch, *(c for g in groups for c in g))))
         st = build_structure(graph, num_state_leaves=num_state_leaves,
                              max_classes=options.max_classes, uf=uf, keep=keep,
-                             roles={batch: "the batch"} if batch is not None else None)
+                             roles={c: "the batch" for c in batch})
         ties = layer_ties(graph, st.strategies) if options.share_layers else None
         return cls(graph, cluster, st, batch, groups, ties,
                    min(c.memory for c in cluster.classes))
@@ -83,9 +82,8 @@ class Problem:
         return self.choice(name, pr, data_parallel(pr.tables, self.batch))
 
     def class_moves(self) -> list:
-        return [list(g) for g in self.state_groups] + [[c] for c in
-                                                       (self.batch, *sum(self.state_groups, ()))
-                                                       if c is not None]
+        return ([list(g) for g in self.state_groups] + [list(self.batch)] * bool(self.batch)
+                + [[c] for c in (*self.batch, *sum(self.state_groups, ()))])
 
 
 @dataclass
@@ -104,21 +102,42 @@ class Clock:
         return time.perf_counter() - self.start
 
 
-def baselines(problem: Problem) -> dict[str, Choice]:
-    """DP-EV and DP-CP under the same cost model (the ideal is added by `assemble`)."""
+class NoDataParallelism(ValueError):
+    """Data parallelism would shard no op: no op reads a data input's leading dim."""
+
+
+def data_parallel_choices(problem: Problem) -> dict[str, Choice]:
+    """DP-EV and DP-CP under the same cost model: what a user writes by hand (every data
+    input split on its leading dim, evenly or in proportion to FLOP/s, everything the
+    batch reaches following it, parameters replicated, gradients all-reduced)."""
     cluster = problem.cluster
     return {"DP-EV": problem.data_parallel(shares_by(cluster, lambda c: 1.0), "DP-EV"),
             "DP-CP": problem.data_parallel(shares_by(cluster, lambda c: c.flops), "DP-CP")}
 
 
-def start(problem: Problem, base: dict[str, Choice]) -> Choice:
+def baselines(problem: Problem, dp: dict[str, Choice]) -> dict[str, Choice]:
+    """The data-parallel choices that are data parallelism: one that shards no op is not
+    a baseline (it would be the replicated program under that name)."""
+    return {k: b for k, b in dp.items() if b.sharded_ops(problem.structure)}
+
+
+def no_data_parallelism(problem: Problem, data_inputs) -> NoDataParallelism:
+    paths = problem.graph.input_paths
+    names = [paths[problem.graph.inputs.index(t)] if paths else f"t{t}" for t in data_inputs]
+    return NoDataParallelism(
+        "data parallelism shards no op here: "
+        + (f"no op reads the leading dim of the data inputs {', '.join(names)}"
+           if names else "the step has no data inputs (every argument is fed back as state)"))
+
+
+def start(problem: Problem, dp: dict[str, Choice]) -> Choice:
     """The best of: data parallelism, and "shard the big state tensors on dim d, else the
     batch" (expert parallelism for an MoE), each made to fit memory, at FLOP/s-
     proportional and at even shares (even shares pad less, which can make a plan fit)."""
     starts = []
-    for b in (base["DP-CP"], base["DP-EV"]):
+    for b in (dp["DP-CP"], dp["DP-EV"]):
         pr = b.priced
-        for a in [b.assign] + [switch_classes(pr.tables, b.assign, [*g, problem.batch])
+        for a in [b.assign] + [switch_classes(pr.tables, b.assign, [*g, *problem.batch])
                                for g in problem.state_groups]:
             if not pr.fits(a):
                 a = fit_memory(pr, a, problem.ties)
@@ -168,10 +187,11 @@ def synthesize(graph: Graph, cluster: Cluster, *, num_state_leaves: int, data_in
     clock = Clock()
     problem = Problem.build(graph, cluster, num_state_leaves, data_inputs, options)
     clock.lap("structure")
-    base = baselines(problem)
+    dp = data_parallel_choices(problem)
+    base = baselines(problem, dp)
     clock.lap("baselines")
-    best, stats, rounds, solve_wall = improve(problem, start(problem, base), options, clock)
-    fitting = [b for b in (base["DP-CP"], base["DP-EV"]) if b.priced.fits(b.assign)]
+    best, stats, rounds, solve_wall = improve(problem, start(problem, dp), options, clock)
+    fitting = [b for b in base.values() if b.priced.fits(b.assign)]
     if fitting:
         dp = min(fitting, key=lambda b: b.time)
         if best.time > dp.time * (1 - options.min_gain):
@@ -204,8 +224,10 @@ def data_parallel_plan(graph: Graph, cluster: Cluster, *, num_state_leaves: int,
     clock = Clock()
     problem = Problem.build(graph, cluster, num_state_leaves, data_inputs)
     clock.lap("structure")
-    base = baselines(problem)
+    base = baselines(problem, data_parallel_choices(problem))
     clock.lap("baselines")
+    if not base:
+        raise no_data_parallelism(problem, data_inputs)
     chosen = base["DP-CP"] if shares is None else problem.data_parallel(shares, "DP")
     solver = {"status": "NONE", "gap": None, "objective": None, "bound": None,
               "solve_seconds": 0.0, "wall": clock.wall, "rounds": 0, "phases": clock.phases,
