@@ -35,6 +35,27 @@ _INLINE_PARAM = {
 # Control flow kept as one opaque node: name -> params holding bodies.
 CONTROL_FLOW = {"scan": ("jaxpr",), "while": ("cond_jaxpr", "body_jaxpr"), "cond": ("branches",)}
 
+# A scan's body is planned as a *loop region* of the flat program, between three kinds
+# of marker ops that are never bound: each iteration's slice of a scanned-over operand,
+# the carry (the initial value, then the previous iteration's), and the stacking of a
+# per-iteration output. Own primitives, so they print and register like any other.
+LOOP_SLICE = Primitive("loop_slice")
+LOOP_CARRY = Primitive("loop_carry")
+LOOP_STACK = Primitive("loop_stack")
+LOOP_MARKERS = (LOOP_SLICE.name, LOOP_CARRY.name, LOOP_STACK.name)
+COPY = jax.lax.copy_p  # an explicit identity, for a carry a body passes through
+
+
+def scan_parts(eqn):
+    """(body jaxpr, body consts, num_consts, num_carry, length, reverse) of a scan eqn, or
+    None when it is not a scan the planner lifts (effects in its body)."""
+    if eqn.primitive.name != "scan" or eqn.effects:
+        return None
+    p = eqn.params
+    body = p["jaxpr"]
+    return (body.jaxpr, tuple(body.consts), int(p["num_consts"]), int(p["num_carry"]),
+            int(p["length"]), bool(p["reverse"]))
+
 
 def make_jaxpr(fn, *args):
     """Trace `fn(*args)` to a ClosedJaxpr; returns (closed_jaxpr, in_tree, out_tree)."""

@@ -75,10 +75,18 @@ def test_slowest_link_is_by_time_not_bandwidth():
     links = (LinkLevel("intra", 1e-3, 1e11), LinkLevel("inter", 1e-6, 1e9))
     c = Cluster.simulated([("CPU", 4)], devices_per_host=2, links=links)
     small, big = 400.0, 4e9
-    # small message: intra step (1 ms + ...) is slower than inter (1 us + ...)
-    assert close(coll.all_reduce(c, small), 2 * 3 * (1e-3 + 100 / 1e11))
-    # big message: inter (1e9 B/s) dominates
+    # small message: intra step (1 ms + ...) is slower than inter (1 us + ...); the tree
+    # (2 log2 4 = 4 steps of the whole message) beats the ring (6 steps of a quarter)
+    assert close(coll.all_reduce(c, small), 2 * 2 * (1e-3 + 400 / 1e11))
+    # big message: inter (1e9 B/s) dominates, by ring
     assert close(coll.all_reduce(c, big), 2 * 3 * (1e-6 + 1e9 / 1e9))
+
+
+def test_small_all_reduces_take_the_tree_large_ones_the_ring():
+    c = Cluster.load("hap-v100x16-p100x48")  # 64 devices: ring 126 steps, tree 12
+    assert coll.all_reduce_form(c, 4.0) == ("tree", pytest.approx(12 * (20e-6 + 4 / 1.3e9)))
+    assert coll.all_reduce_form(c, 440e6)[0] == "ring"
+    assert coll.latency_steps("all_reduce", "tree", 64) == 12
 
 
 # --------------------------------------------------------------------------- all-gather
@@ -110,13 +118,16 @@ def test_all_gather_skewed_sizes_grouped_is_cheaper():
 
 
 def test_all_gather_skewed_but_tiny_is_latency_bound():
-    # [1000, 0, ...]: grouped has 2(k-1) latencies against (k-1): padded wins.
+    # [1000, 0, ...]: latency decides. The grouped form is a masked all-reduce, which for
+    # so small a message takes the tree: 2 log2 8 = 6 latencies against padded's 7.
     c = one_host()
     sizes = [1000, 0, 0, 0, 0, 0, 0, 0]
     padded = 7 * (3e-6 + 1000 / 7e9)
-    grouped = 2 * 7 * (3e-6 + 1000 / 8 / 7e9)
-    assert padded < grouped
-    assert coll.gather_form(c, sizes)[0] == "padded"
+    ring = 2 * 7 * (3e-6 + 1000 / 8 / 7e9)
+    tree = 2 * 3 * (3e-6 + 1000 / 7e9)
+    assert tree < padded < ring
+    assert coll.gather_form(c, sizes) == ("grouped", pytest.approx(tree, rel=1e-12))
+    assert coll.gather_form(c, sizes, "padded") == ("padded", pytest.approx(padded, rel=1e-12))
     # with zero latency the skew decides: grouped moves 2/8 of what padded moves
     c0 = Cluster.simulated([("CPU", 8)], links=(LinkLevel("i", 0, 7e9), LinkLevel("x", 0, 1e8)))
     assert coll.gather_form(c0, sizes) == ("grouped", pytest.approx(14 * 125 / 7e9, rel=1e-12))

@@ -82,7 +82,7 @@ def test_dead_code_is_removed():
     assert [e.name for e in prog.eqns] == ["mul"]
 
 
-def test_control_flow_is_one_opaque_node_costed_by_its_body():
+def test_a_scan_is_a_loop_region_costed_per_iteration():
     def step(w, xs):
         def body(c, x):
             return jnp.tanh(c @ w + x), None
@@ -92,15 +92,38 @@ def test_control_flow_is_one_opaque_node_costed_by_its_body():
 
     args = (jnp.ones((8, 8)), jnp.ones((6, 8)))
     prog, graph = lift(step, *args)
-    scans = [op for op in graph.ops if op.primitive == "scan"]
-    assert len(scans) == 1 and scans[0].rule.factors == () and scans[0].rule.supported
-    assert graph.nodes[scans[0].node].kind == "opaque"
-    # 6 iterations of an 8x8 matvec (128 flops) and an add (8 flops)
-    assert scans[0].cost.flops == 6 * (2 * 8 * 8 + 8)
+    (loop,) = prog.loops
+    assert loop.length == 6 and not loop.reverse
+    names = [prog.eqns[i].name for i in range(loop.start, loop.end)]
+    assert names == ["loop_slice", "loop_carry", "dot_general", "add", "tanh"]
+    body = [op for op in graph.ops if op.loop == loop.id]
+    assert all(op.repeat == 6 for op in body) and all(op.loop is None for op in graph.ops
+                                                      if op not in body)
+    # 6 iterations of an 8x8 matvec (128 flops) and an add (8 flops), all planned
+    assert sum(op.cost.flops for op in body) == 6 * (2 * 8 * 8 + 8)
+    assert not graph.unsupported and all(op.rule.supported for op in graph.ops)
     # Justified exception to XLA's convention: XLA's cost analysis counts a while loop's
     # body once whatever its trip count; the planner needs the work really done.
     ours = hs.inspect(step, *args)["flops"]
     assert ours - 5 * (2 * 8 * 8 + 8) == pytest.approx(xla_flops(step, *args), rel=0.05)
+    env = evaluate(prog, [jnp.asarray(a) for a in args])  # the region runs as a scan
+    assert np.allclose(env[prog.outputs[0]], step(*args), rtol=1e-6)
+
+
+def test_other_control_flow_is_one_opaque_node_costed_by_its_body():
+    def step(w, x):
+        def body(c):
+            return c[0] + 1, jnp.tanh(c[1] @ w)
+
+        return jax.lax.while_loop(lambda c: c[0] < w[0, 0], body, (0.0, x))[1].sum()
+
+    args = (jnp.ones((8, 8)) * 3, jnp.ones(8))
+    prog, graph = lift(step, *args)
+    loops = [op for op in graph.ops if op.primitive == "while"]
+    assert len(loops) == 1 and loops[0].rule.factors == () and loops[0].rule.supported
+    assert graph.nodes[loops[0].node].kind == "opaque" and not prog.loops
+    # a while loop's trip count is unknown: its body and condition count once
+    assert loops[0].cost.flops >= 2 * 8 * 8
 
 
 def test_coarsening_keeps_one_leader_per_node_and_covers_every_op():

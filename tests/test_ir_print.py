@@ -96,12 +96,23 @@ def test_embedding_scatter_add():
 
 # ---- opaque ---------------------------------------------------------------------------
 
-def test_scan_is_replicated_with_its_reason():
-    def step(w, xs):
-        return lax.scan(lambda c, x: (jnp.tanh(c @ w + x), None), jnp.zeros(8), xs)[0]
+def test_while_is_replicated_with_its_reason():
+    def step(w, x):
+        return lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, jnp.tanh(c[1] @ w)),
+                              (0, x))[1]
 
-    assert printed("scan", step, f32(8, 8), f32(6, 8)) == \
+    assert printed("while", step, f32(8, 8), f32(8)) == \
         "replicated (control flow: planned as one opaque node with replicated operands)"
+
+
+def test_a_scans_loop_markers_map_iteration_dims_onto_stacked_ones():
+    def step(w, xs):
+        return lax.scan(lambda c, x: (jnp.tanh(c @ w + x), c), jnp.zeros((4, 8)), xs)
+
+    args = (f32(8, 8), f32(6, 4, 8))
+    assert printed("loop_slice", step, *args) == "([a,b,c])->([b,c]) blocked={a}"
+    assert printed("loop_carry", step, *args) == "([a,b],[a,b])->([a,b])"
+    assert printed("loop_stack", step, *args) == "([a,b])->([_,a,b])"
 
 
 def test_unknown_primitive_is_unsupported():

@@ -159,8 +159,11 @@ class Op:
     inputs: tuple[int | None, ...]  # tensor ids; None for an inline literal
     outputs: tuple[int, ...]
     rule: Rule
-    cost: Cost
+    cost: Cost  # of all its runs: a loop body's op runs `repeat` times
     node: int  # the coarsened node this op belongs to
+    loop: int | None = None  # the loop region it runs in (see `trace.Loop`)
+    repeat: int = 1
+    carries: str | None = None  # a partial sum passes through: "unary", "sum" (registry)
 
     def __str__(self) -> str:  # `op 12 dot_general(t3, t4) -> t5  ([a,b,d],[d,c])->([a,b,c]) sum={d}`
         ins = ", ".join("lit" if t is None else f"t{t}" for t in self.inputs)

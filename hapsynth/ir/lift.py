@@ -4,8 +4,8 @@ from __future__ import annotations
 from collections import Counter
 
 from hapsynth.ir.coarsen import coarsen
-from hapsynth.ir.graph import Graph, Op, Node, Tensor
-from hapsynth.ir.rules import cost_for, rule_for
+from hapsynth.ir.graph import Cost, Graph, Node, Op, Tensor
+from hapsynth.ir.rules import cost_for, partial_of, rule_for
 from hapsynth.ir.signature import leaf_paths
 from hapsynth.ir.trace import Program, trace
 
@@ -25,7 +25,10 @@ def lift_program(prog: Program) -> Graph:
     op_inputs = [tuple(x if isinstance(x, int) else None for x in e.inputs) for e in prog.eqns]
     node_of, kinds = coarsen([(e.name, ins, e.outputs) for e, ins in zip(prog.eqns, op_inputs)],
                              producer, inputs, lambda t: prog.avals[t].shape)
-    ops = tuple(Op(i, e.name, op_inputs[i], e.outputs, rule_for(e), cost_for(e), node_of[i])
+    length = {lp.id: lp.length for lp in prog.loops}
+    ops = tuple(Op(i, e.name, op_inputs[i], e.outputs, rule_for(e),
+                   _times(cost_for(e), length.get(e.loop, 1)), node_of[i], e.loop,
+                   length.get(e.loop, 1), partial_of(e))
                 for i, e in enumerate(prog.eqns))
     members: dict[int, list[int]] = {}
     for op in ops:
@@ -36,6 +39,10 @@ def lift_program(prog: Program) -> Graph:
                  outputs=tuple(o if isinstance(o, int) else None for o in prog.outputs),
                  unsupported=dict(sorted(unsupported.items())),
                  input_paths=tuple(leaf_paths(prog.in_tree)))
+
+
+def _times(c: Cost, n: int) -> Cost:
+    return c if n == 1 else Cost(c.flops * n, c.transcendentals * n, c.bytes * n)
 
 
 def lift(fn, *args) -> tuple[Program, Graph]:

@@ -49,8 +49,8 @@ class Lowered:
         self.units = {int(u): tuple(v) for u, v in plan.shard_units.items()}
         self.group_of, self.group_rep = branches.groups(self.units, self.k)
         self.in_layouts, self.out_layouts = self._boundary_layouts()
-        self.segments = schedule.segments(prog.eqns, plan.op_inputs, plan.tensor_layouts)
-        self.exports = schedule.exports(prog.eqns, prog.outputs, self.segments)
+        self.items, self.exports = schedule.schedule(prog.eqns, plan.op_inputs,
+                                                     plan.tensor_layouts, prog.loops, prog.outputs)
         self._eval = branches.Segments(prog, plan, self.units, frozenset(cpu.keep_dot(prog.eqns)))
         self.forms = self._forms()
         self.mode = "gspmd" if gspmd and branch_hook is None and _gspmd.is_even(
@@ -102,38 +102,30 @@ class Lowered:
         return forms
 
     # -- the shard_map body ----------------------------------------------------------
+    @property
+    def segments(self) -> list[list[int]]:
+        """Every segment, a loop body's included (each one `lax.switch`)."""
+        out = []
+        for item in self.items:
+            out += item.segments if isinstance(item, schedule.LoopSchedule) else [item]
+        return out
+
     def _body(self, *flat):
-        prog, plan = self.prog, self.plan
+        prog = self.prog
         n = len(prog.inputs)
         flat, extra = flat[:n], tuple(flat[n:])  # extra: the branch hook's inputs
-        entry_keys = set(zip(prog.inputs, self.in_layouts))  # the step's own inputs, as given
         env = {}
         for t, v, lay in zip(prog.inputs, flat, self.in_layouts):
             env[t] = (v[0] if lay.kind == "P" else v, lay)
         for t, v in prog.consts.items():
             env[t] = (v, R)
-        converted = {}
-        group = jnp.asarray(self.group_of)[lax.axis_index(AXIS)]
-        for seg, exports in zip(self.segments, self.exports):
-            keys = schedule.operands(prog.eqns, plan.op_inputs, seg)
-            converted.update(collectives.sum_together(
-                [k for k in keys if k not in converted and k[1].kind == "R"
-                 and env[k[0]][1].kind == "P"], env))
-            for key in keys:
-                if key not in converted:
-                    v, lay = env[key[0]]
-                    converted[key] = collectives.convert(
-                        v, lay, key[1], prog.avals[key[0]].shape, self.units,
-                        self.forms.get((key[0], key[1])))
-            sharded = any(plan.op_factors[o] >= 0 for o in seg) and len(self.group_rep) > 1
-            fns = [self._eval.branch(seg, keys, exports, d)
-                   for d in (self.group_rep if sharded else self.group_rep[:1])]
-            if self.hook is not None:
-                entry = tuple(k in entry_keys for k in keys)
-                fns = [self.hook.wrap(f, entry, extra) for f in fns]
-            outs = branches.switch(group, fns, [converted[k] for k in keys])
-            for t, o in zip(exports, outs):
-                env[t] = (o, plan.tensor_layouts[t])
+        run = _Run(self, env, {}, jnp.asarray(self.group_of)[lax.axis_index(AXIS)], extra,
+                   set(zip(prog.inputs, self.in_layouts)))
+        for item, exports in zip(self.items, self.exports):
+            if isinstance(item, schedule.LoopSchedule):
+                run.loop(item)
+            else:
+                run.segment(item, exports)
         results = []
         for o, want, aval in zip(prog.outputs, self.out_layouts, self._out_avals()):
             if isinstance(o, Const):
@@ -214,3 +206,88 @@ class Lowered:
             else:
                 wrapped.append(Sharded(o, lay, aval.shape, self._units_of(lay)))
         return jax.tree.unflatten(self.prog.out_tree, wrapped)
+
+
+class _Run:
+    """One trace of the shard_map body: `env` holds every value made so far with its
+    layout, `converted` every value converted for a reader, by (tensor, layout)."""
+
+    def __init__(self, low: Lowered, env: dict, converted: dict, group, extra, entry_keys):
+        self.low, self.env, self.converted = low, env, converted
+        self.group, self.extra, self.entry_keys = group, extra, entry_keys
+
+    def convert(self, keys) -> None:
+        """Convert what `keys` ((tensor, layout) pairs) name, outside any branch; partial
+        sums going whole are summed as one flat bucket."""
+        low, env, converted = self.low, self.env, self.converted
+        converted.update(collectives.sum_together(
+            [k for k in keys if k not in converted and k[1].kind == "R"
+             and env[k[0]][1].kind == "P"], env))
+        for key in keys:
+            if key not in converted:
+                v, lay = env[key[0]]
+                converted[key] = collectives.convert(
+                    v, lay, key[1], low.prog.avals[key[0]].shape, low.units,
+                    low.forms.get((key[0], key[1])))
+
+    def segment(self, seg, exports) -> None:
+        low, plan = self.low, self.low.plan
+        keys = schedule.operands(low.prog.eqns, plan.op_inputs, seg)
+        self.convert(keys)
+        sharded = any(plan.op_factors[o] >= 0 for o in seg) and len(low.group_rep) > 1
+        fns = [low._eval.branch(seg, keys, exports, d)
+               for d in (low.group_rep if sharded else low.group_rep[:1])]
+        if low.hook is not None:
+            entry = tuple(k in self.entry_keys for k in keys)
+            fns = [low.hook.wrap(f, entry, self.extra) for f in fns]
+        outs = branches.switch(self.group, fns, [self.converted[k] for k in keys])
+        for t, o in zip(exports, outs):
+            self.env[t] = (o, plan.tensor_layouts[t])
+
+    def loop(self, item: schedule.LoopSchedule) -> None:
+        """A loop region as one `lax.scan`: what it reads from before is converted first
+        (loop-invariant); each iteration runs the body's segments, converting between
+        them, and returns its carries in their planned layouts and its stacked values."""
+        low, plan, eqns = self.low, self.low.plan, self.low.prog.eqns
+        lp = item.loop
+        self.convert(schedule.operands(eqns, plan.op_inputs, range(lp.start, lp.end)))
+        carries, slices, stacks = ([eqns[i] for i in ids] for ids in (lp.carries, lp.slices, lp.stacks))
+        keep = [plan.op_inputs[c] for c in lp.carries]  # (init, carry_out) layouts: equal
+        init = [self.value(c.inputs[0], need[0]) for c, need in zip(carries, keep)]
+        xs = [self.value(e.inputs[0], plan.op_inputs[i][0]) for e, i in zip(slices, lp.slices)]
+        outer_env, outer_converted = self.env, self.converted
+        # a stacked partial sum the plan all-reduces after the loop is all-reduced slice by
+        # slice in it instead, as soon as each is made (priced so: overlapping the loop)
+        summed = [i for i, s in enumerate(lp.stacks)
+                  if plan.tensor_layouts[eqns[s].outputs[0]].kind == "P"
+                  and (eqns[s].outputs[0], R) in low.forms]
+
+        def body(carry, x):
+            env = dict(outer_env)
+            env.update((c.outputs[0], (v, plan.tensor_layouts[c.outputs[0]]))
+                       for c, v in zip(carries, carry))
+            env.update((e.outputs[0], (v, plan.tensor_layouts[e.outputs[0]]))
+                       for e, v in zip(slices, x))
+            inner = _Run(low, env, dict(outer_converted), self.group, self.extra, self.entry_keys)
+            for seg, exports in zip(item.segments, item.exports):
+                inner.segment(seg, exports)
+            new = [inner.value(c.inputs[1], need[1]) for c, need in zip(carries, keep)]
+            ys = [inner.value(e.inputs[0], plan.op_inputs[i][0]) for e, i in zip(stacks, lp.stacks)]
+            inner.convert([(stacks[i].inputs[0], R) for i in summed])
+            for i in summed:
+                ys[i] = inner.converted[(stacks[i].inputs[0], R)]
+            return new, ys
+
+        final, ys = lax.scan(body, init, xs, length=lp.length, reverse=lp.reverse)
+        for c, v, need in zip(carries, final, keep):
+            self.env[c.inputs[1]] = (v, need[1])
+        for i, (e, v) in enumerate(zip(stacks, ys)):
+            self.env[e.outputs[0]] = (v, R if i in summed else plan.tensor_layouts[e.outputs[0]])
+
+    def value(self, x, need):
+        """Operand `x` in layout `need` (converting it here if it is not yet)."""
+        if isinstance(x, Const):
+            return jnp.asarray(x.value, x.aval.dtype)
+        if (x, need) not in self.converted:
+            self.convert([(x, need)])
+        return self.converted[(x, need)]

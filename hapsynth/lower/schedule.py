@@ -1,4 +1,5 @@
-"""Segment scheduling: which ops share one branch, and which values cross between branches.
+"""Segment scheduling: which ops share one branch, which values cross between branches,
+and loop regions (each run as one scan, its body cut into segments of its own).
 
 Pure functions of the program's wiring and the plan's layouts, with no JAX: an op is
 anything with `.inputs` (tensor ids, or constants, which are not ints) and `.outputs`
@@ -7,14 +8,57 @@ constant) and `tensor_layouts[t]` the layout tensor t is made in.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 from hapsynth.ir.layout import Layout
 
-__all__ = ["segments", "exports", "operands"]
+__all__ = ["LoopSchedule", "schedule", "segments", "exports", "operands"]
 
 
-def segments(ops: Sequence, op_inputs: Sequence, tensor_layouts: Sequence) -> list[list[int]]:
+@dataclass(frozen=True)
+class LoopSchedule:
+    """A loop region run as one scan: `loop` (a `trace.Loop`), its body's segments and
+    what each exports (to later segments of the body, to the carries, to the stacks)."""
+
+    loop: object
+    segments: list
+    exports: list
+
+
+def schedule(ops: Sequence, op_inputs: Sequence, tensor_layouts: Sequence, loops: Sequence,
+             outputs: Sequence) -> tuple[list, list]:
+    """The program as items in order — segments (lists of op ids) and `LoopSchedule`s —
+    and per item the tensors it exports to later items or the `outputs`."""
+    items, at = [], 0
+    for lp in sorted(loops, key=lambda lp: lp.start):
+        items += segments(ops, op_inputs, tensor_layouts, range(at, lp.start))
+        body = segments(ops, op_inputs, tensor_layouts, lp.body)
+        ends = [ops[c].inputs[1] for c in lp.carries] + [ops[s].inputs[0] for s in lp.stacks]
+        items.append(LoopSchedule(lp, body, exports(ops, ends, body)))
+        at = lp.end
+    items += segments(ops, op_inputs, tensor_layouts, range(at, len(ops)))
+    return items, exports(ops, outputs, items)
+
+
+def region_ops(item) -> list[int]:
+    """Every op of an item (a loop's markers and body)."""
+    if isinstance(item, LoopSchedule):
+        return list(range(item.loop.start, item.loop.end))
+    return list(item)
+
+
+def made_by(ops: Sequence, item) -> list[int]:
+    """The tensors an item makes that outlive it: a segment's results; a loop's final
+    carries and stacked results."""
+    if isinstance(item, LoopSchedule):
+        lp = item.loop
+        return [ops[c].inputs[1] for c in lp.carries] + [ops[s].outputs[0] for s in lp.stacks]
+    return [t for op_id in item for t in ops[op_id].outputs]
+
+
+def segments(ops: Sequence, op_inputs: Sequence, tensor_layouts: Sequence,
+             ids: Sequence[int] | None = None) -> list[list[int]]:
     """Group the ops into as few segments as the conversions allow.
 
     An op that needs a value made in the current segment converted must wait for a
@@ -24,7 +68,7 @@ def segments(ops: Sequence, op_inputs: Sequence, tensor_layouts: Sequence) -> li
     is one switch with every collective outside it. Few segments matter: a value
     leaving a segment is materialised (and padded), where inside one XLA fuses it
     (the loss's all-reduce no longer splits a step's forward from its backward)."""
-    out, remaining = [], list(range(len(ops)))
+    out, remaining = [], list(range(len(ops)) if ids is None else ids)
     while remaining:
         current, made, waiting, later = [], set(), set(), []
         for op_id in remaining:
@@ -44,21 +88,21 @@ def segments(ops: Sequence, op_inputs: Sequence, tensor_layouts: Sequence) -> li
     return out
 
 
-def exports(ops: Sequence, outputs: Sequence, segs: Sequence[Sequence[int]]) -> list[list[int]]:
-    """Per segment, the tensors it makes that a later segment or the program's `outputs`
-    read (only these leave its branch)."""
+def exports(ops: Sequence, outputs: Sequence, items: Sequence) -> list[list[int]]:
+    """Per item (segment or loop), the tensors it makes that a later item or `outputs`
+    read (only these leave its branch or its scan)."""
     later = {o for o in outputs if isinstance(o, int)}
     out = []
-    for seg in reversed(segs):
-        made = [t for op_id in seg for t in ops[op_id].outputs]
-        out.append([t for t in made if t in later])
-        later.update(x for op_id in seg for x in ops[op_id].inputs if isinstance(x, int))
+    for item in reversed(items):
+        out.append([t for t in made_by(ops, item) if t in later])
+        later.update(x for op_id in region_ops(item) for x in ops[op_id].inputs
+                     if isinstance(x, int))
     return out[::-1]
 
 
 def operands(ops: Sequence, op_inputs: Sequence, seg: Sequence[int]) -> list[tuple[int, Layout]]:
-    """The (tensor, layout) pairs a segment reads from before it, in first-use order:
-    the values converted outside its branch and passed in."""
+    """The (tensor, layout) pairs a segment (or a loop region's ops) reads from before
+    it, in first-use order: the values converted outside its branch (or scan)."""
     made = {t for op_id in seg for t in ops[op_id].outputs}
     keys = []
     for op_id in seg:

@@ -49,7 +49,7 @@ def assemble(problem, choice: Choice, base: dict[str, Choice], solver: dict) -> 
             continue
         coll, form, sec = e.conversions[lay]
         convs.append(Conversion(e.tensor, lay, e.need, coll, form, sec, e.deferred,
-                                int(graph.tensors[e.tensor].nbytes), e.src))
+                                int(graph.tensors[e.tensor].nbytes), e.src, e.repeat))
     names = {c.name: c for c in cluster.classes}
     return Plan(
         cluster=cluster.name, classes=tuple(names),

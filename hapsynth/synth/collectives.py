@@ -17,7 +17,9 @@ moves no bytes: it is not emitted) everything costs 0.
   ``alpha + n / beta`` for the step's message, so a high-latency level wins for tiny
   messages.
 - ``all_reduce(n)`` = reduce-scatter + all-gather: ``2(k-1)`` steps of ``n/k`` bytes:
-  ``2(k-1) * (alpha + n/k / beta)``.
+  ``2(k-1) * (alpha + n/k / beta)``; or, where that is cheaper (small, latency-bound
+  messages: a loss, a norm's statistics), a binary tree, ``2 ceil(log2 k)`` steps of the
+  whole message. NCCL chooses between such algorithms per message in the same way.
 - *Uneven shards*: a sharded tensor is stored padded to ``M = max(sizes)`` per device
   (docs/design.md).  Two forms per collective:
 
@@ -41,9 +43,9 @@ moves no bytes: it is not emitted) everything costs 0.
   for the presets (hosts are contiguous device ranges) every step crosses hosts when
   there are several, which gives ``(k-1) * (alpha + B / beta_bottleneck)``.
 
-Known limits: no contention between concurrent collectives; ring and pairwise exchange
-only (no hierarchical or tree algorithms, which NCCL may choose); one bandwidth per
-level (no NIC sharing among the devices of a host).
+Known limits: no contention between concurrent collectives; ring, tree (all-reduce) and
+pairwise exchange only (no hierarchical algorithms); one bandwidth per level (no NIC
+sharing among the devices of a host).
 
 Worked example: BERT-base fp32 gradients, ``110e6 * 4 = 440e6`` bytes, all-reduced over
 ``Cluster.load("hap-v100x16-p100x48")`` (64 devices, 8 hosts; the ring crosses hosts,
@@ -154,21 +156,39 @@ def check_form(form: str) -> str:
 
 def all_reduce(cluster: Cluster, nbytes: float, devices: Iterable[int] | None = None, *,
                latency: bool = True) -> float:
-    """Ring all-reduce of ``nbytes`` over ``devices`` (default: all):
-    ``2(k-1) * (alpha + nbytes/k / beta)`` on the slowest link of the ring."""
+    """All-reduce of ``nbytes`` over ``devices`` (default: all), by ring or tree,
+    whichever is cheaper (as NCCL picks per message size); see `all_reduce_form`."""
+    return all_reduce_form(cluster, nbytes, devices, latency=latency)[1]
+
+
+def all_reduce_form(cluster: Cluster, nbytes: float, devices: Iterable[int] | None = None, *,
+                    latency: bool = True) -> tuple[str, float]:
+    """``(form, seconds)``: ``"ring"``, ``2(k-1) * (alpha + nbytes/k / beta)``, or for
+    latency-bound messages ``"tree"``, reduce up and broadcast down a binary tree,
+    ``2 ceil(log2 k) * (alpha + nbytes / beta)`` (no pipelining: conservative), both on
+    the slowest link the devices use (ties: ring)."""
     devs = _devices(cluster, devices)
     n = nonneg(nbytes, "nbytes")
     k = len(devs)
     if k < 2 or n == 0:
-        return 0.0
-    return steps(ALL_REDUCE, k) * _step(_ring_levels(cluster, devs), n / k, latency)
+        return "ring", 0.0
+    levels = _ring_levels(cluster, devs)
+    ring = steps(ALL_REDUCE, k) * _step(levels, n / k, latency)
+    tree = tree_steps(k) * _step(levels, n, latency)
+    return ("ring", ring) if ring <= tree else ("tree", tree)
+
+
+def tree_steps(k: int) -> int:
+    """Link steps of a binary-tree all-reduce on k devices: up and down, log2 k each."""
+    return 2 * math.ceil(math.log2(k)) if k > 1 else 0
 
 
 def all_reduce_latency(cluster: Cluster) -> float:
-    """The latency alone of one ring all-reduce over all devices."""
+    """The latency alone of one all-reduce over all devices (the cheaper algorithm's)."""
     k = cluster.num_devices
     levels = _ring_levels(cluster, _devices(cluster, None))
-    return steps(ALL_REDUCE, k) * max((l.alpha for l in levels), default=0.0) if k > 1 else 0.0
+    alpha = max((l.alpha for l in levels), default=0.0)
+    return min(steps(ALL_REDUCE, k), tree_steps(k)) * alpha if k > 1 else 0.0
 
 
 def steps(collective: str, k: int) -> int:
@@ -194,6 +214,8 @@ def latency_steps(collective: str, form: str | None, k: int) -> int:
     a masked all-reduce; free conversions have none."""
     if collective not in (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL):
         return 0
+    if form == "tree":
+        return tree_steps(k)
     return steps(ALL_REDUCE if form == "grouped" else collective, k)
 
 

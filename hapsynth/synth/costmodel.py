@@ -31,7 +31,7 @@ from hapsynth.cluster import Cluster
 from hapsynth.ir.graph import Cost
 from hapsynth.ir.layout import Layout
 from hapsynth.synth.collectives import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDUCE_SCATTER,
-                                        all_reduce, check_form, device_sizes, exchange_time,
+                                        all_reduce_form, check_form, device_sizes, exchange_time,
                                         gather_form, largest_block, nonneg, reduce_scatter_form)
 
 #: Flops charged per transcendental (exp, log, tanh, rsqrt, ...): see the module docstring.
@@ -117,7 +117,7 @@ def conversion_time(cluster: Cluster, src: Any, dst: Any, tensor_bytes: float,
     ==============  ==================  =====================
     same layout     ``none``            None
     S → R           ``all_gather``      padded / grouped
-    P → R           ``all_reduce``      ``ring``
+    P → R           ``all_reduce``      ``ring`` / ``tree``
     P → S           ``reduce_scatter``  padded / grouped
     S(i) → S(j)     ``all_to_all``      ``padded``
     S(d) → S(d)     ``all_to_all``      ``padded`` (new sizes)
@@ -145,7 +145,7 @@ def conversion_time(cluster: Cluster, src: Any, dst: Any, tensor_bytes: float,
         return ZERO_PAD, None, 0.0  # S -> P
     if s.partial:
         if d.replicated:
-            return ALL_REDUCE, "ring", all_reduce(cluster, t, latency=latency)
+            return (ALL_REDUCE, *all_reduce_form(cluster, t, latency=latency))
         f, sec = reduce_scatter_form(cluster, ds, form, latency=latency)  # P -> S
         return REDUCE_SCATTER, f, sec
     # s is R

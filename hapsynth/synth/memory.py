@@ -39,11 +39,20 @@ class MemoryModel:
         st = tables.structure
         g = st.graph
         n_ops = len(g.ops)
+        loop_end: dict[int, int] = {}
+        for op in g.ops:
+            if op.loop is not None:
+                loop_end[op.loop] = op.id
         last_use: dict[int, int] = {}
         for op in g.ops:
             for t in op.inputs:
-                if t is not None:
-                    last_use[t] = op.id
+                if t is None:
+                    continue
+                end = op.id
+                made_by = g.tensors[t].producer
+                if made_by is not None and made_by > op.id:  # a carry, read next iteration
+                    end = loop_end[g.ops[made_by].loop]
+                last_use[t] = max(last_use.get(t, -1), end)
         outputs = {t for t in g.outputs if t is not None}
         state = set(st.pairs.values())
         self.n_ops = n_ops

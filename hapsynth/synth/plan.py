@@ -27,6 +27,7 @@ class Conversion:
     deferred: bool      # overlaps the backward pass (gradient sync)
     nbytes: int
     node: int = -1      # the node making the tensor
+    repeat: int = 1     # paid every iteration of a loop (`seconds` is the total)
 
 
 @dataclass(frozen=True)
@@ -182,6 +183,8 @@ class Plan:
                 out.append("  out: " + _edges_text(n.outputs))
             for c in by_node.get(k, ()):
                 when = "overlapped" if c.deferred else "inline"
+                if c.repeat > 1:
+                    when += f", x{c.repeat} iterations"
                 out.append(f"  t{c.tensor} {c.src} -> {c.dst}: {c.collective} {c.form or ''} "
                            f"{c.nbytes / 2**20:.3g} MiB, {c.seconds * 1e3:.4g} ms ({when})")
         return "\n".join(out)

@@ -3,8 +3,9 @@
 One frozen `Tables` per set of shares serves both the CP-SAT model and the plain
 evaluator of an assignment (`timing.evaluate`), so the solver's objective and a plan's
 reported time are the same numbers. Compute is split at `tail_start` (the optimizer,
-after the last contraction): conversions feeding the tail are *deferred* (they overlap
-the remaining main compute, see `timing.py`), the others are paid inline.
+after the last contraction): conversions read only on the way to the tail are
+*deferred* (they overlap the remaining main compute, see `timing.py` and
+`structure.feeds_tail`), the others are paid inline.
 """
 from __future__ import annotations
 
@@ -119,6 +120,7 @@ class Edge:
     conversions: Mapping[Layout, tuple]  # produced layout -> (collective, form, seconds)
     deferred: bool
     position: int                   # producer op (deferred) or first consumer op (inline)
+    repeat: int = 1                 # times it is paid (a loop's iterations); in `conversions`
 
     def seconds(self, layout: Layout) -> float:
         return self.conversions.get(layout, (None, None, 0.0))[2]
@@ -195,13 +197,22 @@ def price(st: Structure, cluster: Cluster, class_shares, only: list[int] | None 
         if only is not None and not any(n < 0 or only[n] in ss for n, ss in need.consumers.items()):
             continue
         nbytes = graph.tensors[t].nbytes
-        deferred = bool(need.ops) and min(need.ops) >= st.tail_start
+        deferred = need.deferred
         used = set(layouts) if only is None else {layouts[only[src]]}
-        convs = {lay: pr.conversion(lay, need.layout, nbytes, deferred) for lay in used}
+        convs = {lay: _times(pr.conversion(lay, need.layout, nbytes, deferred), need.repeat)
+                 for lay in used}
         if not any(c[2] for c in convs.values()):
             continue
-        pos = graph.tensors[t].producer if deferred else min(need.ops, default=len(graph.ops))
+        pos = min(need.ops, default=len(graph.ops))
+        if deferred:  # issued when made; a loop's stacked results slice by slice, in the loop
+            pos = st.loop_start.get(graph.ops[graph.tensors[t].producer].loop,
+                                    graph.tensors[t].producer)
         edges.append(Edge(src, t, need.layout, layouts, need.consumers,
-                          MappingProxyType(convs), deferred, pos))
+                          MappingProxyType(convs), deferred, pos, need.repeat))
     group_latency = collectives.all_reduce_latency(cluster)
     return Tables(st, pr, tuple(main), tuple(tail), tuple(main_at), tuple(edges), group_latency)
+
+
+def _times(conversion: tuple, n: int) -> tuple:
+    collective, form, seconds = conversion
+    return collective, form, seconds * n

@@ -73,7 +73,8 @@ def switch_classes(tables: Tables, assign, classes) -> list[int]:
 
 def data_parallel(tables: Tables, batch) -> list[int]:
     """Every node shards a batch class if it holds one (`batch`: the classes, most ops
-    first), else replicates."""
+    first), else replicates: partial sums (gradients) are all-reduced where they are made,
+    as `jit` with a batch-sharded input does."""
     return switch_classes(tables, [0] * len(tables.strategies), batch)
 
 

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 
 from hapsynth.ir.graph import REDUCTION, Graph, factor_letter
 from hapsynth.ir.layout import P, R, S
-from hapsynth.ir.rules import facts
 from hapsynth.ir.unionfind import UnionFind
 
 
@@ -108,7 +107,7 @@ def op_choice(op, factor: int | None, in_layouts=None, units: int | None = None)
         return OpChoice(factor, tuple(ins), tuple(outs), u)
     layouts = in_layouts or [R] * nin
     tensors = [i for i in range(nin) if op.inputs[i] is not None]
-    carry = facts(op.primitive).partial  # ops a partial sum may pass through (registry facts)
+    carry = op.carries  # how a partial sum may pass through (the registry's facts)
     if tensors and all(layouts[i] == P for i in tensors) and (
             (carry == "unary" and len(tensors) == 1) or carry == "sum"):
         return OpChoice(None, tuple(P if i in tensors else None for i in range(nin)),
@@ -190,12 +189,15 @@ def propagate(graph: Graph, ops, klass, uf: UnionFind, carry: bool = False,
               name: str = REPLICATE) -> Strategy:
     """Choices of every op in program order when `klass` is sharded (None: replicate).
 
-    `carry=True`: operands from other nodes may arrive as partial sums, so sums of
+    `carry=True`: operands made by other nodes may arrive as partial sums, so sums of
     partial sums (e.g. the two gradient paths of a tied embedding) stay partial.
     """
     layout: dict[int, object] = {}
     choices = []
     units = None if klass is None else uf.units(klass)
+
+    def made_outside(t) -> bool:  # the step's arguments arrive whole, never partial
+        return graph.tensors[t].producer is None
     for op in ops:
         factor = None
         if klass is not None:
@@ -203,8 +205,8 @@ def propagate(graph: Graph, ops, klass, uf: UnionFind, carry: bool = False,
                 if f.shardable and uf.find((op.id, fi)) == klass:
                     factor = fi
                     break
-        outside = P if carry else R
-        in_layouts = [layout.get(t, outside) if t is not None else None for t in op.inputs]
+        in_layouts = [None if t is None else layout.get(t, P if carry and not made_outside(t) else R)
+                      for t in op.inputs]
         ch = op_choice(op, factor, in_layouts, units)
         for t, lay in zip(op.outputs, ch.outputs):
             layout[t] = lay

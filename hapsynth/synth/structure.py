@@ -2,7 +2,7 @@
 layout of which tensor each strategy needs (the conversions that may be paid)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping
 
@@ -21,6 +21,8 @@ class Need:
     layout: Layout
     consumers: Mapping[int, frozenset]
     ops: frozenset
+    repeat: int = 1   # times it is converted: a loop's iterations, when made and read in it
+    deferred: bool = False  # read only on the way to the optimizer: may overlap compute
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,7 @@ class Structure:
     tail_start: int                                # first op after the last contraction
     pairs: Mapping[int, int]                       # state input tensor -> its update
     num_state_leaves: int = 0
+    loop_start: Mapping[int, int] = field(default_factory=dict)  # loop id -> its first op
 
 
 def state_pairs(graph: Graph, num_state_leaves: int) -> dict[int, int]:
@@ -73,7 +76,46 @@ def build_structure(graph: Graph, *, num_state_leaves: int = 0, max_classes: int
     for t in graph.outputs:
         if t is not None and t not in state_outs and t in producer_node:
             needs.setdefault((t, R), ({}, set()))[0][-1] = {0}
+    late = feeds_tail(graph, tail_start)
     frozen = tuple(Need(t, lay, MappingProxyType({n: frozenset(s) for n, s in cons.items()}),
-                        frozenset(ops)) for (t, lay), (cons, ops) in needs.items())
+                        frozenset(ops), _repeat(graph, t, ops),
+                        bool(ops) and all(late[o] for o in ops))
+                   for (t, lay), (cons, ops) in needs.items())
+    loop_start: dict[int, int] = {}
+    for op in graph.ops:
+        if op.loop is not None:
+            loop_start.setdefault(op.loop, op.id)
     return Structure(graph, tuple(strategies), frozen, MappingProxyType(producer_node),
-                     tail_start, MappingProxyType(pairs), num_state_leaves)
+                     tail_start, MappingProxyType(pairs), num_state_leaves,
+                     MappingProxyType(loop_start))
+
+
+def _repeat(graph: Graph, t: int, ops) -> int:
+    """A value made in a loop and read in it is converted every iteration; one made
+    before the loop is converted once, before it."""
+    made_in = graph.ops[graph.tensors[t].producer].loop
+    return max((graph.ops[o].repeat for o in ops
+                if made_in is not None and graph.ops[o].loop == made_in), default=1)
+
+
+def feeds_tail(graph: Graph, tail_start: int) -> list[bool]:
+    """Per op: is it in the tail (the optimizer, after the last contraction), or a light op
+    (moves layout, elementwise, or linear in a partial sum) whose results are read only by
+    such ops? A value read only by those is not needed before the tail: its conversion
+    can overlap the rest of the backward pass (the accumulation of a layer's gradient
+    into a stacked one is on that way)."""
+    readers: dict[int, list[int]] = {}
+    for op in graph.ops:
+        for t in op.inputs:
+            if t is not None:
+                readers.setdefault(t, []).append(op.id)
+    outputs = {t for t in graph.outputs if t is not None}
+    late = [False] * len(graph.ops)
+    for op in reversed(graph.ops):
+        if op.id >= tail_start:
+            late[op.id] = True
+        elif facts(op.primitive).follower or op.carries:
+            rs = [r for t in op.outputs for r in readers.get(t, ())]
+            late[op.id] = bool(rs) and not outputs & set(op.outputs) and all(
+                r > op.id and late[r] for r in rs)
+    return late

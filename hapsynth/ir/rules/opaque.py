@@ -17,7 +17,7 @@ RANDOM_NOTE = "random bits depend on the global shape: generated whole, then sli
 
 def body_cost(jaxpr, consts=()) -> tuple[float, float]:
     """(flops, transcendentals) of an open jaxpr, inlined and dead-code-eliminated."""
-    costs = [cost_for(e) for e in flatten(jaxpr, consts)[0]]
+    costs = [cost_for(e) for e in flatten(jaxpr, consts, lift_loops=False)[0]]
     return sum(c.flops for c in costs), sum(c.transcendentals for c in costs)
 
 

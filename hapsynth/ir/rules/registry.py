@@ -2,7 +2,8 @@
 
 Each entry describes a primitive once, where its rule module registers it:
 - `rule(eqn) -> Rule`: its factors (see `ir/graph.py`);
-- `cost(eqn) -> (flops, transcendentals)` in XLA's `cost_analysis()` convention;
+- `cost(eqn) -> (flops, transcendentals)` in XLA's `cost_analysis()` convention (or
+  `(flops, transcendentals, bytes)` where the op touches less than its operands);
 - `resize(eqn, in_shapes, out_shapes) -> params`: the params to evaluate the
   primitive at *local* (per-device) shapes. Only primitives whose params carry
   sizes need one; the default keeps the params as they are;
@@ -12,7 +13,7 @@ Each entry describes a primitive once, where its rule module registers it:
   its operands' node), `partial` (a partial sum may be carried through it, its
   all-reduce postponed, where that cannot cost more: "unary" for linear ops that
   keep or shrink one operand, "sum" for sums of partial sums) and `contraction`
-  (a dot or convolution).
+  (a dot or convolution), `free` (moves no data, as a loop's carry: costs nothing).
 """
 from __future__ import annotations
 
@@ -38,8 +39,9 @@ class Entry:
     resize: Callable | None = None
     elementwise: bool = False
     layout_only: bool = False
-    partial: str | None = None  # None, "unary" or "sum"
+    partial: str | Callable | None = None  # None, "unary", "sum", or eqn -> one of those
     contraction: bool = False
+    free: bool = False          # moves no data (XLA aliases the result): costs nothing
 
     @property
     def follower(self) -> bool:
@@ -53,13 +55,14 @@ _UNKNOWN = Entry(lambda eqn: UNSUPPORTED)  # no rule: replicated fallback, no fa
 
 def register(*names: str, cost: Callable = _no_cost, resize: Callable | None = None,
              elementwise: bool = False, layout_only: bool = False, partial: str | None = None,
-             contraction: bool = False):
+             contraction: bool = False, free: bool = False):
     """Decorator: register a rule function, with its cost and facts, for primitive names."""
-    assert partial in (None, "unary", "sum"), partial
+    assert partial in (None, "unary", "sum") or callable(partial), partial
 
     def deco(rule_fn):
         for name in names:
-            REGISTRY[name] = Entry(rule_fn, cost, resize, elementwise, layout_only, partial, contraction)
+            REGISTRY[name] = Entry(rule_fn, cost, resize, elementwise, layout_only, partial,
+                                   contraction, free)
         return rule_fn
 
     return deco
@@ -70,6 +73,12 @@ def facts(name: str) -> Entry:
     return REGISTRY.get(name, _UNKNOWN)
 
 
+def partial_of(eqn) -> str | None:
+    """How a partial sum may pass through this eqn: "unary", "sum" or None."""
+    p = facts(eqn.name).partial
+    return p(eqn) if callable(p) else p
+
+
 def rule_for(eqn) -> Rule:
     """The eqn's rule, knowing its operand and result shapes (for printing)."""
     return replace(facts(eqn.name).rule(eqn), operand_shapes=tuple(a.shape for a in eqn.in_avals),
@@ -78,10 +87,15 @@ def rule_for(eqn) -> Rule:
 
 def cost_for(eqn) -> Cost:
     """Cost of one eqn; bytes are the non-literal operands plus the results."""
-    flops, trans = facts(eqn.name).cost(eqn)
+    entry = facts(eqn.name)
+    if entry.free:
+        return Cost()
+    cost = entry.cost(eqn)  # (flops, transcendentals), or with the bytes it really moves
+    if len(cost) == 3:
+        return Cost(*map(float, cost))
     nbytes = sum(_nbytes(a) for a, x in zip(eqn.in_avals, eqn.inputs) if isinstance(x, int))
     nbytes += sum(_nbytes(a) for a in eqn.out_avals)
-    return Cost(float(flops), float(trans), float(nbytes))
+    return Cost(float(cost[0]), float(cost[1]), float(nbytes))
 
 
 def _nbytes(aval) -> int:

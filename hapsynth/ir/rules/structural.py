@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from hapsynth.ir.rules.registry import aligned_dims, blk, par, register, rule
 
 
@@ -15,7 +17,7 @@ def _resize_shape(eqn, in_shapes, out_shapes):
     return {**eqn.params, "shape": tuple(out_shapes[0])}
 
 
-@register("broadcast_in_dim", resize=_resize_shape, layout_only=True)
+@register("broadcast_in_dim", resize=_resize_shape, layout_only=True, partial="unary")
 def broadcast_in_dim(eqn):
     """Operand dim i -> result dim bdims[i] when not size-1-broadcast; new dims result-only."""
     a, o = eqn.in_avals[0], eqn.out_avals[0]
@@ -55,6 +57,14 @@ def reshape(eqn):
     return rule(*factors)
 
 
+@register("tile", layout_only=True)
+def tile(eqn):
+    """Dims repeated once are parallel; a tiled dim is blocked (each copy spans it all)."""
+    reps = eqn.params["reps"]
+    return rule(*[(par if r == 1 else blk)(eqn.out_avals[0].shape[d], [(0, d)] if r == 1 else [],
+                                          [(0, d)]) for d, r in enumerate(reps)])
+
+
 @register("transpose", layout_only=True, partial="unary")
 def transpose(eqn):
     perm = eqn.params["permutation"]
@@ -78,7 +88,7 @@ def expand_dims(eqn):  # not a lax primitive today; kept for forward compatibili
     return rule(*[par(a.shape[i], [(0, i)], [(0, d)]) for i, d in enumerate(kept)])
 
 
-@register("concatenate")
+@register("concatenate", partial="sum")
 def concatenate(eqn):
     return rule(*aligned_dims(eqn, skip={eqn.params["dimension"]}))
 
@@ -93,7 +103,13 @@ def rev(eqn):
     return rule(*aligned_dims(eqn, skip=set(eqn.params["dimensions"])))
 
 
-@register("pad")
+def _zero_padding(eqn):
+    """Padding a partial sum with zeros is linear (the transpose of a slice does it)."""
+    value = eqn.inputs[1]
+    return "unary" if hasattr(value, "value") and not np.any(np.asarray(value.value)) else None
+
+
+@register("pad", partial=_zero_padding)
 def pad(eqn):
     """Dims with no padding are parallel; the padding value is a scalar."""
     cfg = eqn.params["padding_config"]
