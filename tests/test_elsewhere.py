@@ -97,6 +97,7 @@ def test_scan_and_unrolled_gpt_agree():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_grad_accum_scan_and_fori_agree():
     scan, fori = _run_tiny("grad_accum"), _run_tiny("grad_accum_fori")
     np.testing.assert_allclose(scan["losses"], fori["losses"], rtol=1e-5)

@@ -60,7 +60,7 @@ def test_solver_objective_matches_evaluator_and_beats_its_hint(model):
     shares = [c.count * c.flops / cluster.total_flops for c in cluster.classes]
     tables = build_tables(graph, cluster, shares, num_state_leaves=nstate, uf=uf, keep=b)
     dp = data_parallel(tables, b)
-    assign, stats = solve(tables, dp, time_limit=10, workers=2, seed=0)
+    assign, stats = solve(tables, dp, time_limit=4, workers=2, seed=0)
     assert stats.status in ("OPTIMAL", "FEASIBLE")
     ours, hint = evaluate(tables, assign).step, evaluate(tables, dp).step
     assert ours <= hint * (1 + 1e-6)
