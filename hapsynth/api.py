@@ -7,8 +7,9 @@ import jax
 
 from hapsynth.cluster import Cluster
 from hapsynth.ir import inspect as _inspect
-from hapsynth.ir import lift
+from hapsynth.ir import lift_program, trace
 from hapsynth.ir.signature import of_graph
+from hapsynth.ir.views import fold_batch_splits
 from hapsynth.lower.devices import local_devices
 from hapsynth.lower.program import Lowered
 from hapsynth.lower.values import Sharded
@@ -143,7 +144,9 @@ class Parallelized:
             args = _abstract_tree(args)
             k = state_arity(self.train_step, args)
             nstate = len(jax.tree.leaves(args[:k]))
-            prog, graph = lift(self.train_step, *args)
+            prog = trace(self.train_step, *args)
+            prog = fold_batch_splits(prog, range(nstate, len(prog.inputs)))
+            graph = lift_program(prog)
             if self.given_plan is not None:
                 self.given_plan.check(of_graph(graph), self.cluster)  # names what differs
                 self._plans[key] = self.given_plan

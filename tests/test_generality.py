@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import hapsynth as hs
-from hapsynth.ir import lift
+from hapsynth.ir import lift, lift_program
 
 
 def batch_shuffling_step(B, S, D, V, abstract=False):
@@ -108,3 +108,34 @@ def test_data_parallelism_that_shards_nothing_is_an_error_not_a_result():
         hs.parallelize(step, cluster="cpu-2-6", strategy="data-parallel").plan(w)
     plan = hs.parallelize(step, cluster="cpu-2-6", time_limit=1).plan(w)
     assert "DP-EV" not in plan.baselines and "data parallelism does not apply" in plan.summary()
+
+
+def test_microbatches_of_a_gradient_accumulation_are_fed_split_and_sharded():
+    """`[32, D] -> [4, 8, D]` and a scan over the 4: data parallelism splits each
+    microbatch (the minor part of the batch dim), the batch fed already split, and the
+    gradients are summed across microbatches before one all-reduce."""
+    D = 16
+
+    def step(w, batch):
+        def body(g, x):
+            return g + jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w), None
+
+        g, _ = jax.lax.scan(body, jnp.zeros_like(w), batch.reshape(4, 8, D))
+        return w - 0.1 * g / 4, jnp.sum(g)
+
+    w = jnp.linspace(-1, 1, D * D).reshape(D, D)
+    batch = jnp.sin(jnp.arange(32 * D, dtype=jnp.float32)).reshape(32, D)
+    par = hs.parallelize(step, cluster="cpu-2-6", strategy="data-parallel")
+    plan = par.plan(w, batch)
+    low = par.lowered(w, batch)
+    assert low.prog.input_views[1] == ((4, 8, D), 1)
+    body = [op for op in lift_program(low.prog).ops if op.loop is not None]
+    assert all(f >= 0 for op, f in zip(body, (plan.op_factors[op.id] for op in body))
+               if op.primitive == "dot_general")
+    (sync,) = [c for c in plan.conversions if c.collective == "all_reduce" and c.nbytes > 4]
+    assert sync.repeat == 1 and sync.deferred  # once, after the microbatches
+    got = want = (w, batch)
+    for _ in range(3):
+        got, want = par(got[0], batch), jax.jit(step)(want[0], batch)
+    for a, b in zip(jax.tree.leaves(hs.gather(got)), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6)

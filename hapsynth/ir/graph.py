@@ -189,6 +189,7 @@ class Graph:
     outputs: tuple[int | None, ...]
     unsupported: Mapping[str, int] = field(default_factory=dict)
     input_paths: tuple[str, ...] = ()  # pytree path of each input leaf, e.g. "[2]['x']"
+    batch_dims: Mapping[int, int] = field(default_factory=dict)  # data input -> its batch dim
 
     @property
     def flops(self) -> float:

@@ -38,7 +38,8 @@ def lift_program(prog: Program) -> Graph:
     return Graph(tensors=tensors, ops=ops, nodes=nodes, inputs=prog.inputs,
                  outputs=tuple(o if isinstance(o, int) else None for o in prog.outputs),
                  unsupported=dict(sorted(unsupported.items())),
-                 input_paths=tuple(leaf_paths(prog.in_tree)))
+                 input_paths=tuple(leaf_paths(prog.in_tree)),
+                 batch_dims={t: v[1] for t, v in zip(prog.inputs, prog.input_views) if v})
 
 
 def _times(c: Cost, n: int) -> Cost:

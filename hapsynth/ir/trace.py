@@ -102,6 +102,8 @@ class Program:
     consts: Mapping[int, Any] = field(default_factory=dict)
     traced_eqns: int = 0  # top-level eqns of the jaxpr before inlining
     loops: tuple[Loop, ...] = ()
+    # per input leaf: None, or (shape, batch dim) it is fed in (`views.fold_batch_splits`)
+    input_views: tuple = ()
 
 
 def to_aval(jax_aval) -> Aval:
@@ -196,7 +198,7 @@ def flatten(jaxpr, consts=(), lift_loops: bool = True):
     inputs = [b.new_tensor(to_aval(v.aval)) for v in jaxpr.invars]
     outputs = b.inline(jaxpr, consts, inputs)
     eqns = _dce(b.eqns, outputs, b.effectful)
-    return eqns, b.avals, inputs, outputs, b.consts, _loops(eqns, b.loop_params)
+    return eqns, b.avals, inputs, outputs, b.consts, loops_of(eqns, b.loop_params)
 
 
 def _dce(eqns: list[Eqn], outputs, effectful: set[Eqn]) -> list[Eqn]:
@@ -226,7 +228,7 @@ def _dce(eqns: list[Eqn], outputs, effectful: set[Eqn]) -> list[Eqn]:
     return kept
 
 
-def _loops(eqns: list[Eqn], params: dict) -> tuple[Loop, ...]:
+def loops_of(eqns, params: dict) -> tuple[Loop, ...]:
     """The loop regions of a flat eqn list (contiguous by construction)."""
     at: dict[int, list[int]] = {}
     for i, e in enumerate(eqns):

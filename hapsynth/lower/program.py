@@ -159,31 +159,42 @@ class Lowered:
         if len(flat) != len(self.in_layouts):
             raise ValueError(f"expected {len(self.in_layouts)} array leaves, got {len(flat)}")
         out = []
-        for (path, x), lay, t in zip(flat, self.in_layouts, self.prog.inputs):
+        views = self.prog.input_views or [None] * len(flat)
+        for (path, x), lay, t, view in zip(flat, self.in_layouts, self.prog.inputs, views):
             shape = self.prog.avals[t].shape
-            if isinstance(x, jax.ShapeDtypeStruct):
+            if isinstance(x, jax.ShapeDtypeStruct) and view is not None:
+                # fed split into microbatches: each device's rows are strided in the
+                # leaf as given, so the leaf is read whole, then split and spread
+                whole = np.asarray(load(jax.tree_util.keystr(path), 0, 0, x.shape[0]), x.dtype)
+                data = self._store_one(whole, lay, view)
+            elif isinstance(x, jax.ShapeDtypeStruct):
                 where = jax.tree_util.keystr(path)
                 data = load_array(lambda d, a, b: load(where, d, a, b), lay, shape, x.dtype,
                                   self.units, self.mesh)
             else:
-                data = self._store_one(x, lay)
+                data = self._store_one(x, lay, view)
             out.append(Sharded(data, lay, shape, self._units_of(lay)))
         return jax.tree.unflatten(tree, out)
 
     def _units_of(self, lay: Layout):
         return self.units.get(lay.units) if lay.kind == "S" else None
 
-    def _store_one(self, x, lay):
+    def _store_one(self, x, lay, view=None):
+        """A leaf as the program reads it; `view`: the (shape, batch dim) a data argument
+        is fed in (`ir.views`), for a global array given in its own shape."""
         if isinstance(x, Sharded):
             if x.layout == lay:
                 return x.data
             x = unshard(x)
+        if view is not None and tuple(x.shape) != view[0]:
+            x = jnp.reshape(x, view[0])
         return shard_array(x, lay, self.units, self.mesh)
 
     def _stored(self, leaves):
         if len(leaves) != len(self.in_layouts):
             raise ValueError(f"expected {len(self.in_layouts)} array leaves, got {len(leaves)}")
-        return [self._store_one(x, lay) for x, lay in zip(leaves, self.in_layouts)]
+        views = self.prog.input_views or [None] * len(leaves)
+        return [self._store_one(x, lay, v) for x, lay, v in zip(leaves, self.in_layouts, views)]
 
     def __call__(self, *args):
         return self.run(jax.tree.flatten(args, is_leaf=lambda v: isinstance(v, Sharded))[0])

@@ -8,6 +8,7 @@ from functools import cached_property
 from hapsynth.cluster import Cluster
 from hapsynth.synth.memory import MemoryModel
 from hapsynth.synth.pricing import Tables, price
+from hapsynth.synth.strategy import CARRY
 from hapsynth.synth.structure import Structure
 from hapsynth.synth.timing import evaluate
 
@@ -74,8 +75,21 @@ def switch_classes(tables: Tables, assign, classes) -> list[int]:
 def data_parallel(tables: Tables, batch) -> list[int]:
     """Every node shards a batch class if it holds one (`batch`: the classes, most ops
     first), else replicates: partial sums (gradients) are all-reduced where they are made,
-    as `jit` with a batch-sharded input does."""
-    return switch_classes(tables, [0] * len(tables.strategies), batch)
+    as `jit` with a batch-sharded input does, or carried on where that is cheaper (XLA
+    moves the all-reduce of a sum accumulated in a loop out of the loop)."""
+    assign = switch_classes(tables, [0] * len(tables.strategies), batch)
+    carry = [next((i for i, s in enumerate(st) if s.name == CARRY), None)
+             for st in tables.strategies]
+    best = evaluate(tables, assign).step
+    for n, c in enumerate(carry):
+        if c is None or tables.strategies[n][assign[n]].klass is not None:
+            continue
+        trial = list(assign)
+        trial[n] = c
+        t = evaluate(tables, trial).step
+        if t < best * (1 - 1e-9):
+            assign, best = trial, t
+    return assign
 
 
 def state_classes(graph, uf, num_state_leaves: int, fraction: float = 0.25) -> list[list]:

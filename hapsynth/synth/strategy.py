@@ -108,8 +108,10 @@ def op_choice(op, factor: int | None, in_layouts=None, units: int | None = None)
     layouts = in_layouts or [R] * nin
     tensors = [i for i in range(nin) if op.inputs[i] is not None]
     carry = op.carries  # how a partial sum may pass through (the registry's facts)
-    if tensors and all(layouts[i] == P for i in tensors) and (
-            (carry == "unary" and len(tensors) == 1) or carry == "sum"):
+    partial = [layouts[i] == P for i in tensors]
+    # a sum of a partial sum and whole values stays partial: a whole operand becomes
+    # partial for free (itself on one device, zeros elsewhere), so the all-reduce waits
+    if (carry == "unary" and partial == [True]) or (carry == "sum" and any(partial)):
         return OpChoice(None, tuple(P if i in tensors else None for i in range(nin)),
                         tuple(P for _ in op.outputs))
     return _replicated(op)
@@ -198,6 +200,8 @@ def propagate(graph: Graph, ops, klass, uf: UnionFind, carry: bool = False,
 
     def made_outside(t) -> bool:  # the step's arguments arrive whole, never partial
         return graph.tensors[t].producer is None
+
+    factors = []
     for op in ops:
         factor = None
         if klass is not None:
@@ -205,21 +209,31 @@ def propagate(graph: Graph, ops, klass, uf: UnionFind, carry: bool = False,
                 if f.shardable and uf.find((op.id, fi)) == klass:
                     factor = fi
                     break
-        in_layouts = [None if t is None else layout.get(t, P if carry and not made_outside(t) else R)
-                      for t in op.inputs]
-        ch = op_choice(op, factor, in_layouts, units)
-        for t, lay in zip(op.outputs, ch.outputs):
-            layout[t] = lay
-        choices.append((op.id, ch))
+        factors.append(factor)
+    # a loop's carry reads its update, made later: a second pass sees the update's layout
+    ids = {op.id for op in ops}
+    passes = 2 if any(t is not None and graph.tensors[t].producer in ids
+                      and graph.tensors[t].producer > op.id for op in ops for t in op.inputs) else 1
+    for _ in range(passes):
+        choices = []
+        for op, factor in zip(ops, factors):
+            in_layouts = [None if t is None else
+                          layout.get(t, P if carry and not made_outside(t) else R)
+                          for t in op.inputs]
+            ch = op_choice(op, factor, in_layouts, units)
+            for t, lay in zip(op.outputs, ch.outputs):
+                layout[t] = lay
+            choices.append((op.id, ch))
     return Strategy(klass, tuple(choices), layout, name)
 
 
 def batch_classes(graph: Graph, uf: FactorClasses, data_inputs) -> tuple:
-    """The factor classes holding dim 0 of the data arguments, most ops first: what data
-    parallelism shards (several when no op joins two data inputs' batches)."""
-    data = set(data_inputs)
+    """The factor classes holding the batch dim of the data arguments (dim 0, or the
+    microbatch dim of one fed split), most ops first: what data parallelism shards
+    (several when no op joins two data inputs' batches)."""
+    data = {t: graph.batch_dims.get(t, 0) for t in data_inputs}
     found = {uf.find((op.id, fi)) for op in graph.ops for fi, f in enumerate(op.rule.factors)
-             if f.shardable and any(op.inputs[i] in data and d == 0 for (i, d) in f.operands)}
+             if f.shardable and any(data.get(op.inputs[i]) == d for (i, d) in f.operands)}
     reach: dict = {}
     for item in uf.size:
         root = uf.find(item)

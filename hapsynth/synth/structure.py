@@ -69,18 +69,18 @@ def build_structure(graph: Graph, *, num_state_leaves: int = 0, max_classes: int
                     src = pairs.get(t, t)
                     if src not in producer_node:
                         continue
-                    consumers, ops = needs.setdefault((src, ch.inputs[i]), ({}, set()))
+                    key = (src, ch.inputs[i], _repeat(graph, src, op_id))
+                    consumers, ops = needs.setdefault(key, ({}, set()))
                     consumers.setdefault(node.id, set()).add(si)
                     ops.add(op_id)
     state_outs = set(pairs.values())
     for t in graph.outputs:
         if t is not None and t not in state_outs and t in producer_node:
-            needs.setdefault((t, R), ({}, set()))[0][-1] = {0}
+            needs.setdefault((t, R, 1), ({}, set()))[0][-1] = {0}
     late = feeds_tail(graph, tail_start)
     frozen = tuple(Need(t, lay, MappingProxyType({n: frozenset(s) for n, s in cons.items()}),
-                        frozenset(ops), _repeat(graph, t, ops),
-                        bool(ops) and all(late[o] for o in ops))
-                   for (t, lay), (cons, ops) in needs.items())
+                        frozenset(ops), rep, bool(ops) and all(late[o] for o in ops))
+                   for (t, lay, rep), (cons, ops) in needs.items())
     loop_start: dict[int, int] = {}
     for op in graph.ops:
         if op.loop is not None:
@@ -90,14 +90,11 @@ def build_structure(graph: Graph, *, num_state_leaves: int = 0, max_classes: int
                      MappingProxyType(loop_start))
 
 
-def _repeat(graph: Graph, t: int, ops) -> int:
+def _repeat(graph: Graph, t: int, op_id: int) -> int:
     """A value made in a loop and read in it is converted every iteration; one made
-    before the loop is converted once, before it."""
-    made_in = graph.ops[graph.tensors[t].producer].loop
-    return max((graph.ops[o].repeat for o in ops
-                if made_in is not None and graph.ops[o].loop == made_in), default=1)
-
-
+    before the loop, or read after it, is converted once, outside it."""
+    made_in, reader = graph.ops[graph.tensors[t].producer].loop, graph.ops[op_id]
+    return reader.repeat if made_in is not None and reader.loop == made_in else 1
 def feeds_tail(graph: Graph, tail_start: int) -> list[bool]:
     """Per op: is it in the tail (the optimizer, after the last contraction), or a light op
     (moves layout, elementwise, or linear in a partial sum) whose results are read only by
