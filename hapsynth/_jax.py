@@ -118,3 +118,35 @@ def source_of(eqn) -> str:
 def bind(primitive, args, params):
     """Apply a primitive to concrete or traced values."""
     return primitive.bind(*args, **params)
+
+
+def partitionable_bits(eqn) -> bool:
+    """Does this `random_bits` eqn give each element bits that depend only on the
+    element's own global index (JAX's partitionable threefry), so a device can make just
+    its block? A scalar threefry key, `jax_threefry_partitionable`, fewer than 2**32
+    elements (the block's index is computed in 32 bits)."""
+    if eqn.name != "random_bits" or not jax.config.jax_threefry_partitionable:
+        return False
+    key = eqn.in_avals[0]
+    impl = getattr(getattr(key.dtype, "_impl", None), "name", None)
+    return key.shape == () and impl == "threefry2x32" and eqn.out_avals[0].size < 2 ** 32
+
+
+def random_bits_block(key, bit_width: int, shape, local_shape, starts):
+    """The block of `jax.random.bits(key, shape)` (bit_width bits) of `local_shape`
+    starting at `starts` (one start per dim, static or traced), made without the rest."""
+    import jax.extend.random as jrandom
+    import jax.numpy as jnp
+    import numpy as np
+
+    data = jax.random.key_data(key)
+    flat = jnp.zeros(local_shape, jnp.uint32)
+    for d in range(len(shape)):
+        stride = jnp.uint32(int(np.prod(shape[d + 1:], dtype=np.int64)))
+        at = jax.lax.broadcasted_iota(jnp.uint32, local_shape, d)
+        flat = flat + (at + jnp.asarray(starts[d]).astype(jnp.uint32)) * stride
+    b1, b2 = jrandom.threefry2x32_p.bind(data[0], data[1], jnp.zeros_like(flat), flat)
+    dtype = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint64}[bit_width]
+    if bit_width == 64:
+        return (b1.astype(dtype) << dtype(32)) | b2.astype(dtype)
+    return (b1 ^ b2).astype(dtype)

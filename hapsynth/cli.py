@@ -1,4 +1,5 @@
-"""`hapsynth` command line: inspect a zoo model's IR, plan it on a cluster, run the demo."""
+"""`hapsynth` command line: inspect a train step's IR (a zoo model's or your own), plan it on
+a cluster, run the demo and the benchmarks."""
 from __future__ import annotations
 
 import argparse
@@ -6,10 +7,21 @@ import json
 import sys
 
 
-def _zoo(name: str, config: str, devices: int):
-    from hapsynth.models import get
+def _step(args, devices: int):
+    """The command's train step, or None after a one-line error (`hapsynth.steps`)."""
+    from hapsynth.steps import StepSourceError, load_step
 
-    return get(name, config, devices=devices)
+    try:
+        return load_step(args.model, config=args.config, devices=devices)
+    except StepSourceError as err:
+        print(f"hapsynth {args.command}: {err}", file=sys.stderr)
+        return None
+
+
+def _label(args) -> str:
+    from hapsynth.steps import is_user_step
+
+    return "your step" if is_user_step(args.model) else f"zoo, {args.config}"
 
 
 def format_report(name: str, config: str, report: dict) -> str:
@@ -37,12 +49,15 @@ def format_report(name: str, config: str, report: dict) -> str:
 def cmd_inspect(args) -> int:
     import hapsynth as hs
 
-    step, example = _zoo(args.model, args.config, args.devices)
+    loaded = _step(args, args.devices)
+    if loaded is None:
+        return 2
+    step, example = loaded
     report = hs.inspect(step, *example)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(format_report(args.model, args.config, report))
+        print(format_report(args.model, _label(args), report))
     return 0
 
 
@@ -50,7 +65,10 @@ def cmd_plan(args) -> int:
     import hapsynth as hs
 
     cluster = hs.Cluster.load(args.cluster)
-    step, example = _zoo(args.model, args.config, cluster.num_devices)
+    loaded = _step(args, cluster.num_devices)
+    if loaded is None:
+        return 2
+    step, example = loaded
     try:
         plan = hs.parallelize(step, cluster=cluster, time_limit=args.time_limit,
                               seed=args.seed).plan(*example)
@@ -60,7 +78,7 @@ def cmd_plan(args) -> int:
     if args.json:
         print(plan.to_json())
     else:
-        print(f"{args.model} ({args.config}, batch for {cluster.num_devices} devices)")
+        print(f"{args.model} ({_label(args)}, on {cluster.num_devices} devices)")
         print(plan.summary())
         if args.explain:
             print(plan.explain())
@@ -122,15 +140,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="hapsynth", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
-    ins = sub.add_parser("inspect", help="IR coverage and cost of a zoo model's train step")
-    ins.add_argument("model", choices=names())
+    step_help = (f"a zoo model ({', '.join(names())}) or your own train step: "
+                 "path/to/file.py:make_step or package.module:make_step, a function "
+                 "returning (train_step, example_args)")
+    ins = sub.add_parser("inspect", help="IR coverage and cost of a train step")
+    ins.add_argument("model", metavar="STEP", help=step_help)
     ins.add_argument("--config", default="tiny", choices=list(CONFIG_NAMES))
     ins.add_argument("--devices", type=int, default=64,
                      help="sets the paper batch (32 x devices) and MoE experts (2 x devices)")
     ins.add_argument("--json", action="store_true", help="print the report as JSON")
     ins.set_defaults(func=cmd_inspect)
-    pl = sub.add_parser("plan", help="synthesise a plan for a zoo model on a cluster")
-    pl.add_argument("model", choices=names())
+    pl = sub.add_parser("plan", help="synthesise a plan for a train step on a cluster")
+    pl.add_argument("model", metavar="STEP", help=step_help)
     pl.add_argument("--config", default="paper", choices=list(CONFIG_NAMES))
     pl.add_argument("--cluster", default="hap-v100x16-p100x48",
                     help="preset name or TOML path (see Cluster.presets())")

@@ -12,9 +12,8 @@ from __future__ import annotations
 import numpy as np
 import jax.numpy as jnp
 
-from hapsynth import _jax
 from hapsynth.ir.graph import PARALLEL, REDUCTION
-from hapsynth.ir.rules import local_params, rule_for
+from hapsynth.ir.rules import evaluate_block, rule_for
 from hapsynth.ir.trace import value_of
 
 COMBINE = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply,
@@ -60,9 +59,9 @@ def check_factor(eqn, vals, full_outs, factor, sizes, rtol=2e-5, atol=2e-5):
                 if r == j:
                     shape[d] = c * (a.shape[d] // factor.size)
             out_shapes.append(shape)
-        params = local_params(eqn, [np.shape(v) for v in ins], out_shapes)
-        outs = _jax.bind(eqn.primitive, ins, params)
-        outs = outs if eqn.primitive.multiple_results else (outs,)
+        starts = [[lo * (a.shape[d] // factor.size) if (j, d) in factor.results else 0
+                   for d in range(len(a.shape))] for j, a in enumerate(eqn.out_avals)]
+        outs = evaluate_block(eqn, ins, out_shapes, lambda: starts)
         for o, shape in zip(outs, out_shapes):
             assert tuple(o.shape) == tuple(shape), (eqn.name, factor, o.shape, shape)
         per_dev.append([np.asarray(o) for o in outs])

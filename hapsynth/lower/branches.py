@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from hapsynth.ir.rules import local_params
+from hapsynth.ir.rules import evaluate_block, facts, local_params
 from hapsynth.ir.trace import Const, Program
 from hapsynth.lower import cpu
-from hapsynth.lower.values import Geometry
+from hapsynth.lower.values import AXIS, Geometry
 from hapsynth.synth.plan import Plan
 
 __all__ = ["groups", "Segments", "switch"]
@@ -66,16 +66,15 @@ class Segments:
         for op_id in seg:
             eqn = prog.eqns[op_id]
             vals = [fetch(x, n) for x, n in zip(eqn.inputs, plan.op_inputs[op_id])]
-            params = eqn.params
-            if plan.op_factors[op_id] >= 0 and dev is not None:
-                shapes = []
-                for t, aval in zip(eqn.outputs, eqn.out_avals):
-                    lay, shape = plan.tensor_layouts[t], list(aval.shape)
-                    if lay.kind == "S":
-                        shape[lay.dim] = Geometry.of(lay, aval.shape, self.units).rows[dev]
-                    shapes.append(shape)
-                params = local_params(eqn, [np.shape(v) for v in vals], shapes)
-            outs = cpu.bind(eqn.primitive, vals, params, barrier=op_id in self.keep)
+            if plan.op_factors[op_id] >= 0 and dev is not None and facts(eqn.name).block:
+                outs = evaluate_block(eqn, vals, self._local_shapes(eqn, dev),
+                                      lambda eqn=eqn: self._starts(eqn))
+            else:
+                params = eqn.params
+                if plan.op_factors[op_id] >= 0 and dev is not None:
+                    params = local_params(eqn, [np.shape(v) for v in vals],
+                                          self._local_shapes(eqn, dev))
+                outs = cpu.bind(eqn.primitive, vals, params, barrier=op_id in self.keep)
             local.update(zip(eqn.outputs, outs))
         result = []
         for t in exports:
@@ -87,6 +86,28 @@ class Segments:
                 v = jnp.pad(v, pad)
             result.append(v)
         return result
+
+    def _local_shapes(self, eqn, dev: int) -> list[list[int]]:
+        """The results' shapes on `dev`'s group: S dims cut to the group's rows."""
+        shapes = []
+        for t, aval in zip(eqn.outputs, eqn.out_avals):
+            lay, shape = self.plan.tensor_layouts[t], list(aval.shape)
+            if lay.kind == "S":
+                shape[lay.dim] = Geometry.of(lay, aval.shape, self.units).rows[dev]
+            shapes.append(shape)
+        return shapes
+
+    def _starts(self, eqn) -> list[list]:
+        """Per result, where this device's block starts along each dim (traced: devices
+        of one group hold different rows)."""
+        out = []
+        for t, aval in zip(eqn.outputs, eqn.out_avals):
+            lay, at = self.plan.tensor_layouts[t], [0] * len(aval.shape)
+            if lay.kind == "S":
+                offsets = Geometry.of(lay, aval.shape, self.units).offsets
+                at[lay.dim] = jnp.asarray(offsets, jnp.int32)[lax.axis_index(AXIS)]
+            out.append(at)
+        return out
 
     def branch(self, seg: Sequence[int], keys: Sequence, exports, dev: int | None) -> Callable:
         """The branch function of `dev`'s group: operands in the order of `keys`

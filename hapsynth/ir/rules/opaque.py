@@ -2,13 +2,14 @@
 
 Control flow (`scan`, `while`, `cond`) is one opaque node with replicated operands;
 its cost is that of its bodies (a scan's body times its length). Random-bit
-generators are replicated because their bits depend on the *global* shape: a
-device must generate the whole tensor and slice its rows.
+generators are replicated where their bits depend on the *global* shape (a device
+must generate the whole tensor and slice its rows); JAX's partitionable threefry
+`random_bits` is the exception: each element's bits depend on its own index only.
 """
 from __future__ import annotations
 
 from hapsynth import _jax
-from hapsynth.ir.rules.registry import cost_for, register, replicated
+from hapsynth.ir.rules.registry import cost_for, par, register, replicated, rule
 from hapsynth.ir.trace import flatten
 
 CONTROL_FLOW_NOTE = "control flow: planned as one opaque node with replicated operands"
@@ -49,8 +50,22 @@ def _hash_cost(per_element):
     return lambda e: (per_element * e.out_avals[0].size, 0.0)
 
 
-@register("random_bits", cost=_hash_cost(47.0))
 @register("random_fold_in", "random_split", cost=_hash_cost(55.0))
 @register("random_seed", "random_wrap", "random_unwrap", "rng_bit_generator", "rng_uniform")
 def random(eqn):
     return replicated(RANDOM_NOTE)
+
+
+def _bits_block(eqn, vals, out_shapes, starts):
+    """A device's block of the bits, made without the rest (partitionable threefry)."""
+    return [_jax.random_bits_block(vals[0], eqn.params["bit_width"], eqn.out_avals[0].shape,
+                                   tuple(out_shapes[0]), starts[0])]
+
+
+@register("random_bits", cost=_hash_cost(47.0), block=_bits_block)
+def random_bits(eqn):
+    """With JAX's partitionable threefry each element's bits depend only on its global
+    index: every dim is parallel (a device makes its own block, `_bits_block`)."""
+    if not _jax.partitionable_bits(eqn):
+        return replicated(RANDOM_NOTE)
+    return rule(*[par(n, [], [(0, d)]) for d, n in enumerate(eqn.out_avals[0].shape)])

@@ -13,7 +13,9 @@ Each entry describes a primitive once, where its rule module registers it:
   its operands' node), `partial` (a partial sum may be carried through it, its
   all-reduce postponed, where that cannot cost more: "unary" for linear ops that
   keep or shrink one operand, "sum" for sums of partial sums) and `contraction`
-  (a dot or convolution), `free` (moves no data, as a loop's carry: costs nothing).
+  (a dot or convolution), `free` (moves no data, as a loop's carry: costs nothing);
+- `block(eqn, operands, local shapes, starts)`: for the few primitives whose values
+  depend on where a block lies in the whole (random bits), its evaluation there.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from typing import Callable
 
 import numpy as np
 
+from hapsynth import _jax
 from hapsynth.ir.graph import BLOCKED, PARALLEL, REDUCTION, Cost, Factor, Rule
 
 
@@ -42,6 +45,7 @@ class Entry:
     partial: str | Callable | None = None  # None, "unary", "sum", or eqn -> one of those
     contraction: bool = False
     free: bool = False          # moves no data (XLA aliases the result): costs nothing
+    block: Callable | None = None  # (eqn, operands, local shapes, starts) -> results
 
     @property
     def follower(self) -> bool:
@@ -55,14 +59,14 @@ _UNKNOWN = Entry(lambda eqn: UNSUPPORTED)  # no rule: replicated fallback, no fa
 
 def register(*names: str, cost: Callable = _no_cost, resize: Callable | None = None,
              elementwise: bool = False, layout_only: bool = False, partial: str | None = None,
-             contraction: bool = False, free: bool = False):
+             contraction: bool = False, free: bool = False, block: Callable | None = None):
     """Decorator: register a rule function, with its cost and facts, for primitive names."""
     assert partial in (None, "unary", "sum") or callable(partial), partial
 
     def deco(rule_fn):
         for name in names:
             REGISTRY[name] = Entry(rule_fn, cost, resize, elementwise, layout_only, partial,
-                                   contraction, free)
+                                   contraction, free, block)
         return rule_fn
 
     return deco
@@ -101,6 +105,18 @@ def cost_for(eqn) -> Cost:
 def _nbytes(aval) -> int:
     itemsize = getattr(aval.dtype, "itemsize", 4)
     return aval.size * itemsize
+
+
+def evaluate_block(eqn, vals, out_shapes, starts) -> list:
+    """`eqn` on local operands `vals`, giving results of `out_shapes`; `starts()` gives,
+    per result, the global start of the block along each dim (only the primitives whose
+    values depend on where they are, random bits, ask for it)."""
+    entry = facts(eqn.name)
+    if entry.block is not None:
+        return list(entry.block(eqn, vals, out_shapes, starts()))
+    outs = _jax.bind(eqn.primitive, vals, local_params(eqn, [np.shape(v) for v in vals],
+                                                       out_shapes))
+    return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
 def local_params(eqn, in_shapes, out_shapes) -> dict:
