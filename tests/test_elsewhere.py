@@ -79,6 +79,7 @@ def test_tiny_is_deterministic():
         np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.slow
 def test_scan_and_unrolled_gpt_agree():
     _, scan_args = get("scan_gpt", "tiny")
     _, unrolled_args = get("unrolled_gpt", "tiny")

@@ -138,8 +138,9 @@ def test_bert_base_sized_user_step_plans_on_the_hap_cluster():
 
 
 @pytest.mark.parametrize("make,cluster", [
-    (transformer_step, "2+6"), (conv_step, "2+6"), (mlp_custom_loss_step, "2+6"),
-    (conv_step, "even"), (mlp_custom_loss_step, "even"),
+    (conv_step, "2+6"), (mlp_custom_loss_step, "2+6"), (conv_step, "even"),
+    (mlp_custom_loss_step, "even"),  # transformers: tests/test_elsewhere.py runs them too
+    pytest.param(transformer_step, "2+6", marks=pytest.mark.slow),
     pytest.param(transformer_step, "even", marks=pytest.mark.slow)])
 def test_user_step_runs_distributed_like_one_device(make, cluster):
     """Three chained distributed steps equal single-device jax.jit, on an even and on a
