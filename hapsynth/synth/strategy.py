@@ -109,9 +109,10 @@ def op_choice(op, factor: int | None, in_layouts=None, units: int | None = None)
     tensors = [i for i in range(nin) if op.inputs[i] is not None]
     carry = op.carries  # how a partial sum may pass through (the registry's facts)
     partial = [layouts[i] == P for i in tensors]
-    # a sum of a partial sum and whole values stays partial: a whole operand becomes
-    # partial for free (itself on one device, zeros elsewhere), so the all-reduce waits
-    if (carry == "unary" and partial == [True]) or (carry == "sum" and any(partial)):
+    # a loop's accumulator stays partial from a whole initial value (itself on one device,
+    # zeros elsewhere: free), so the all-reduce waits for the loop's end
+    if ((carry == "unary" and partial == [True]) or (carry == "sum" and partial and all(partial))
+            or (carry == "accumulate" and any(partial))):
         return OpChoice(None, tuple(P if i in tensors else None for i in range(nin)),
                         tuple(P for _ in op.outputs))
     return _replicated(op)
@@ -210,15 +211,16 @@ def propagate(graph: Graph, ops, klass, uf: UnionFind, carry: bool = False,
                     factor = fi
                     break
         factors.append(factor)
-    # a loop's carry reads its update, made later: a second pass sees the update's layout
+    # a loop's carry reads its update, made later: the first pass supposes it partial (an
+    # accumulator), the second sees the update's layout: a fixed point either way
     ids = {op.id for op in ops}
-    passes = 2 if any(t is not None and graph.tensors[t].producer in ids
-                      and graph.tensors[t].producer > op.id for op in ops for t in op.inputs) else 1
-    for _ in range(passes):
+    later = {t for op in ops for t in op.inputs if t is not None
+             and graph.tensors[t].producer in ids and graph.tensors[t].producer > op.id}
+    for _ in range(2 if later else 1):
         choices = []
         for op, factor in zip(ops, factors):
             in_layouts = [None if t is None else
-                          layout.get(t, P if carry and not made_outside(t) else R)
+                          layout.get(t, P if (carry and not made_outside(t)) or t in later else R)
                           for t in op.inputs]
             ch = op_choice(op, factor, in_layouts, units)
             for t, lay in zip(op.outputs, ch.outputs):

@@ -26,7 +26,7 @@ def loop_stack(eqn):
     return rule(*[par(n, [(0, d)], [(0, d + 1)]) for d, n in enumerate(eqn.in_avals[0].shape)])
 
 
-@register("loop_carry", elementwise=True, partial="sum", free=True)
+@register("loop_carry", elementwise=True, partial="accumulate", free=True)
 def loop_carry(eqn):
     """(init, carry_out) -> carry_in: all three laid out alike, a fixed point."""
     return rule(*aligned_dims(eqn))

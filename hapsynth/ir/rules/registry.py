@@ -12,7 +12,8 @@ Each entry describes a primitive once, where its rule module registers it:
   layout: no arithmetic), `follower` (either of those: coarsening lets it join
   its operands' node), `partial` (a partial sum may be carried through it, its
   all-reduce postponed, where that cannot cost more: "unary" for linear ops that
-  keep or shrink one operand, "sum" for sums of partial sums) and `contraction`
+  keep or shrink one operand, "sum" for sums of partial sums, "accumulate" for a loop's
+  carry, partial from a whole initial value) and `contraction`
   (a dot or convolution), `free` (moves no data, as a loop's carry: costs nothing);
 - `block(eqn, operands, local shapes, starts)`: for the few primitives whose values
   depend on where a block lies in the whole (random bits), its evaluation there.
@@ -42,7 +43,7 @@ class Entry:
     resize: Callable | None = None
     elementwise: bool = False
     layout_only: bool = False
-    partial: str | Callable | None = None  # None, "unary", "sum", or eqn -> one of those
+    partial: str | Callable | None = None  # None, "unary", "sum", "accumulate", or eqn -> one
     contraction: bool = False
     free: bool = False          # moves no data (XLA aliases the result): costs nothing
     block: Callable | None = None  # (eqn, operands, local shapes, starts) -> results
@@ -61,7 +62,7 @@ def register(*names: str, cost: Callable = _no_cost, resize: Callable | None = N
              elementwise: bool = False, layout_only: bool = False, partial: str | None = None,
              contraction: bool = False, free: bool = False, block: Callable | None = None):
     """Decorator: register a rule function, with its cost and facts, for primitive names."""
-    assert partial in (None, "unary", "sum") or callable(partial), partial
+    assert partial in (None, "unary", "sum", "accumulate") or callable(partial), partial
 
     def deco(rule_fn):
         for name in names:
