@@ -6,7 +6,7 @@ STAMP   = $(VENV)/.installed
 WHEEL   = build/wheel
 WHEELENV = build/wheel-venv
 
-.PHONY: demo test test-slow test-all install clean wheel-check
+.PHONY: demo test test-slow test-all install clean wheel-check strip-notebooks
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ test-slow: $(STAMP)
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -m "slow or not slow"
+
+# notebooks are committed without outputs (tests/test_notebooks.py checks)
+strip-notebooks: $(STAMP)
+	$(BIN)/nbstripout --keep-id notebooks/*.ipynb
 
 # a non-editable install works: the wheel, installed with its dependencies in a fresh
 # venv, runs the CLI (presets are package data, bench is hapsynth_bench) outside the repo

@@ -56,6 +56,16 @@ def row(name: str, cluster: hs.Cluster, time_limit: float) -> str:
             f"{ops} of {n} | {seconds:.1f} | {plan.chosen} |")
 
 
+NOTES = [
+    "Notes. `of limit` is the ideal (the step's FLOPs over the cluster's total FLOP/s) over the",
+    "plan's step. `equinox_cnn` is Equinox's MNIST tutorial network (about 0.9M parameters) at",
+    "batch 2048: microseconds of compute per device, bound by collective latency on any cluster;",
+    "`equinox_vit` (ViT-B/16, batch 2048) is the realistic-size Equinox model. \"no plan found",
+    "fits\" names the device class that cannot hold the step (parameters, AdamW state and",
+    "activations at that batch) and by how much.",
+]
+
+
 def main(argv=None) -> int:
     from elsewhere import MODELS
 
@@ -78,6 +88,7 @@ def main(argv=None) -> int:
             line = row(name, cluster, args.time_limit)
             print(line, flush=True)
             lines.append(line)
+    lines += ["", *NOTES]
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")

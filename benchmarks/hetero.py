@@ -207,15 +207,18 @@ def _comm(plan) -> float:
     return plan.breakdown["inline_comm"] + plan.breakdown["exposed_comm"]
 
 
-def run(models, ratios=(2, 3), reps: int = 8, time_limit: float = 5.0) -> list[dict]:
+def run(models, ratios=(2, 3), reps: int = 8, time_limit: float = 5.0,
+        grid=GRID) -> list[dict]:
     from hapsynth_bench import launch
 
+    from hapsynth.progress import track
+
     rows = []
-    for spec in models:
+    for spec in track(models, f"hetero: {len(models)} models x {len(ratios)} ratios"):
         model, config = spec.split("-") if "-" in spec else (spec, "tiny")
         rows += launch.run("hapsynth_bench.hetero:measure", echo=True, kwargs=
                            {"model": model, "config": config, "ratios": list(ratios),
-                            "reps": reps, "time_limit": time_limit})
+                            "reps": reps, "time_limit": time_limit, "grid": list(grid)})
         print(format_rows(rows[-len(ratios):]), file=sys.stderr, flush=True)
     return rows
 

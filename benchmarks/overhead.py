@@ -19,6 +19,7 @@ def overhead(model: str = "gpt", config: str = "tiny", reps: int = 20) -> dict:
 
     import hapsynth as hs
     from hapsynth.lower.devices import local_devices
+    from hapsynth.progress import track
     from hapsynth.models import get
 
     cluster = hs.Cluster.load("cpu8-even")
@@ -36,7 +37,7 @@ def overhead(model: str = "gpt", config: str = "tiny", reps: int = 20) -> dict:
         a = jax.block_until_ready(ref(a[0], a[1], batch_dp))
         b = par(b[0], b[1], batch_hs)
     ratios, t_ref, t_par = [], [], []
-    for _ in range(reps):
+    for _ in track(range(reps), f"overhead: {reps} timed pairs"):
         t0 = time.perf_counter()
         a = jax.block_until_ready(ref(a[0], a[1], batch_dp))
         t1 = time.perf_counter()

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 from jax.extend import core as _core
 
 Literal = _core.Literal
@@ -55,6 +56,19 @@ def scan_parts(eqn):
     body = p["jaxpr"]
     return (body.jaxpr, tuple(body.consts), int(p["num_consts"]), int(p["num_carry"]),
             int(p["length"]), bool(p["reverse"]))
+
+
+SELECT_N = jax.lax.select_n_p  # joins a cond's branches: case k where the index is k
+
+
+def cond_branches(eqn):
+    """A `cond`'s branches as (open jaxpr, consts) pairs, or None when it is not one the
+    planner lifts (effects in a branch, or a result of an extended dtype such as a key)."""
+    if eqn.primitive.name != "cond" or eqn.effects:
+        return None
+    if any(not isinstance(v.aval.dtype, np.dtype) for v in eqn.outvars):
+        return None
+    return [(b.jaxpr, tuple(b.consts)) for b in eqn.params["branches"]]
 
 
 def make_jaxpr(fn, *args):
@@ -150,3 +164,11 @@ def random_bits_block(key, bit_width: int, shape, local_shape, starts):
     if bit_width == 64:
         return (b1.astype(dtype) << dtype(32)) | b2.astype(dtype)
     return (b1 ^ b2).astype(dtype)
+
+
+def eqn_like(fn, *avals):
+    """(primitive, params) of the one eqn `fn(*avals)` traces to: a new eqn with this JAX
+    version's own params (e.g. a `slice` or `reshape` the IR inserts)."""
+    closed = jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
+    (eqn,) = closed.jaxpr.eqns
+    return eqn.primitive, dict(eqn.params)

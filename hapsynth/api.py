@@ -5,6 +5,7 @@ import functools
 
 import jax
 
+from hapsynth import progress
 from hapsynth.cluster import Cluster
 from hapsynth.ir import inspect as _inspect
 from hapsynth.ir import lift_program, trace
@@ -122,11 +123,12 @@ class Parallelized:
 
     def __init__(self, train_step, cluster: Cluster, *, donate_argnums=(), time_limit: float = 10.0,
                  seed: int = 0, workers: int = 2, strategy: str = "auto", shares=None,
-                 min_gain: float = 0.05, plan: Plan | None = None):
+                 min_gain: float = 0.05, plan: Plan | None = None, verbose: bool | None = None):
         self.train_step = train_step
         self.given_plan = plan  # a saved plan to use instead of synthesising (checked)
         self.cluster = cluster if isinstance(cluster, Cluster) else Cluster.load(cluster)
         self.donate_argnums = donate_argnums
+        self.verbose = verbose  # progress bar: None = when a person watches (TTY, notebook)
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         self.options = {"time_limit": time_limit, "seed": seed, "workers": workers,
@@ -141,20 +143,25 @@ class Parallelized:
         """The plan for these arguments (arrays or `jax.ShapeDtypeStruct`s); no devices needed."""
         key = signature_of(args)
         if key not in self._plans:
-            args = _abstract_tree(args)
-            k = state_arity(self.train_step, args)
-            nstate = len(jax.tree.leaves(args[:k]))
-            prog = trace(self.train_step, *args)
-            prog = fold_batch_splits(prog, range(nstate, len(prog.inputs)))
-            graph = lift_program(prog)
-            if self.given_plan is not None:
-                self.given_plan.check(of_graph(graph), self.cluster)  # names what differs
-                self._plans[key] = self.given_plan
-            else:
-                self._plans[key] = synthesize_once(graph, self.cluster, num_state_leaves=nstate,
-                                                   data_inputs=graph.inputs[nstate:], **self.options)
-            self._programs[key] = prog
+            with progress.reporting(self.verbose):
+                self._plan(key, _abstract_tree(args))
         return self._plans[key]
+
+    def _plan(self, key, args) -> None:
+        progress.phase("trace")
+        k = state_arity(self.train_step, args)
+        nstate = len(jax.tree.leaves(args[:k]))
+        prog = trace(self.train_step, *args)
+        prog = fold_batch_splits(prog, range(nstate, len(prog.inputs)))
+        progress.phase("lift")
+        graph = lift_program(prog)
+        if self.given_plan is not None:
+            self.given_plan.check(of_graph(graph), self.cluster)  # names what differs
+            self._plans[key] = self.given_plan
+        else:
+            self._plans[key] = synthesize_once(graph, self.cluster, num_state_leaves=nstate,
+                                               data_inputs=graph.inputs[nstate:], **self.options)
+        self._programs[key] = prog
 
     def lowered(self, *args) -> Lowered:
         """The compiled program for these arguments' signature (planned on first use)."""
@@ -190,7 +197,8 @@ def parallelize(train_step=None, *, cluster, donate_argnums=(), **options):
     state fed back from the previous step) are reused by the step and deleted. `plan=` a
     saved `hs.Plan` uses it instead of synthesising; it must be for this very program.
     Other options: `time_limit`, `seed`, `workers`, `min_gain`, `strategy` ("auto" or
-    "data-parallel"), `shares` (data-parallel only)."""
+    "data-parallel"), `shares` (data-parallel only), `verbose` (a progress bar while
+    planning: None shows it when run in a terminal or a notebook, not in CI)."""
     if train_step is None:
         return lambda fn: Parallelized(fn, cluster, donate_argnums=donate_argnums, **options)
     return Parallelized(train_step, cluster, donate_argnums=donate_argnums, **options)

@@ -85,6 +85,25 @@ def cmd_plan(args) -> int:
     if args.out:
         with open(args.out, "w") as f:
             f.write(plan.to_json())
+    return _pictures(args, plan)
+
+
+def _pictures(args, plan) -> int:
+    """`--png`: the plan's timeline and balance; `--html`: its table, as a page."""
+    if args.png:
+        from hapsynth.view.plots import overview
+
+        try:
+            fig = overview(plan)
+        except ImportError as err:
+            print(f"hapsynth plan --png: {err}", file=sys.stderr)
+            return 2
+        fig.savefig(args.png, dpi=110)
+    if args.html:
+        from hapsynth.view.html import page
+
+        with open(args.html, "w") as f:
+            f.write(page(f"hapsynth plan: {args.model} on {plan.cluster}", plan._repr_html_()))
     return 0
 
 
@@ -161,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", help="also write the plan's JSON to this file")
     pl.add_argument("--explain", action="store_true",
                     help="also print, per node, its ops, strategy, layouts and conversions")
+    pl.add_argument("--png", metavar="FILE",
+                    help="write the plan's timeline and balance as a PNG (needs hapsynth[plot])")
+    pl.add_argument("--html", metavar="FILE", help="write the plan's tables as an HTML page")
     pl.set_defaults(func=cmd_plan)
     be = sub.add_parser("bench", help="benchmarks measured side by side (package hapsynth_bench)")
     be.add_argument("kind", choices=["overhead", "hetero"])

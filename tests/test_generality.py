@@ -123,8 +123,7 @@ def test_microbatches_of_a_gradient_accumulation_are_fed_split_and_sharded():
         g, _ = jax.lax.scan(body, jnp.zeros_like(w), batch.reshape(4, 8, D))
         return w - 0.1 * g / 4, jnp.sum(g)
 
-    w = jnp.linspace(-1, 1, D * D).reshape(D, D)
-    batch = jnp.sin(jnp.arange(32 * D, dtype=jnp.float32)).reshape(32, D)
+    w, batch = _weights_and_batch(D)
     par = hs.parallelize(step, cluster="cpu-2-6", strategy="data-parallel")
     plan = par.plan(w, batch)
     low = par.lowered(w, batch)
@@ -134,8 +133,98 @@ def test_microbatches_of_a_gradient_accumulation_are_fed_split_and_sharded():
                if op.primitive == "dot_general")
     (sync,) = [c for c in plan.conversions if c.collective == "all_reduce" and c.nbytes > 4]
     assert sync.repeat == 1 and sync.deferred  # once, after the microbatches
+    _assert_steps_equal_jit(par, step, w, batch, steps=3)
+
+
+def _weights_and_batch(D):
+    """A [D, D] weight and a [32, D] batch, deterministic."""
+    return (jnp.linspace(-1, 1, D * D).reshape(D, D),
+            jnp.sin(jnp.arange(32 * D, dtype=jnp.float32)).reshape(32, D))
+
+
+def _assert_steps_equal_jit(par, step, w, batch, steps: int):
+    """`steps` chained distributed steps `(w, batch) -> (w, ...)` equal `jax.jit`'s."""
     got = want = (w, batch)
-    for _ in range(3):
+    for _ in range(steps):
         got, want = par(got[0], batch), jax.jit(step)(want[0], batch)
     for a, b in zip(jax.tree.leaves(hs.gather(got)), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6)
+
+
+def _fori_step(D, first_outside=True, stride=8):
+    """big_vision's accumulation: microbatch 0 by a static slice, the next ones by a
+    `dynamic_slice` at `i * stride` in a `fori_loop`."""
+    loss = lambda w, x: jnp.mean(jnp.tanh(x @ w) ** 2)
+
+    def step(w, batch):
+        lo = 1 if first_outside else 0
+        g0 = jax.grad(loss)(w, batch[:8]) if first_outside else jnp.zeros_like(w)
+
+        def body(i, g):
+            x = jax.lax.dynamic_slice(batch, (i * stride, 0), (8, D))
+            return g + jax.grad(loss)(w, x)
+
+        g = jax.lax.fori_loop(lo, 4, body, g0)
+        return w - 0.1 * g / 4, jnp.sum(g)
+    return step
+
+
+@pytest.mark.parametrize("first_outside", [True, False])
+def test_microbatches_taken_by_dynamic_slice_in_a_fori_loop_are_fed_split(first_outside):
+    """Blocks of 8 rows, one by a static slice and the rest by a loop's `dynamic_slice`:
+    the batch is fed as `[4, 8, D]`, each block a read of that view, and data
+    parallelism splits every microbatch."""
+    D = 16
+    step = _fori_step(D, first_outside)
+    w, batch = _weights_and_batch(D)
+    par = hs.parallelize(step, cluster="cpu-2-6", strategy="data-parallel")
+    plan = par.plan(w, batch)
+    low = par.lowered(w, batch)
+    assert low.prog.input_views[1] == ((4, 8, D), 1)
+    assert "dynamic_slice" not in {op.primitive for op in lift_program(low.prog).ops}
+    dots = [(op, plan.op_factors[op.id]) for op in lift_program(low.prog).ops
+            if op.primitive == "dot_general"]
+    assert dots and all(f >= 0 for _, f in dots), "every microbatch's matmuls are sharded"
+    _assert_steps_equal_jit(par, step, w, batch, steps=3)
+
+
+def test_overlapping_dynamic_slices_are_not_taken_for_blocks():
+    """Windows 4 rows apart overlap: no view, the step still planned and equal to jit."""
+    D = 16
+    step = _fori_step(D, first_outside=False, stride=4)
+    w, batch = _weights_and_batch(D)
+    par = hs.parallelize(step, cluster="cpu-2-6", time_limit=1)
+    low = par.lowered(w, batch)
+    assert not any(low.prog.input_views or ())
+    _assert_steps_equal_jit(par, step, w, batch, steps=1)
+
+
+def test_a_cond_is_planned_through_both_branches_under_one_plan():
+    """`lax.cond` choosing a gradient step or an accumulate-only step (as
+    `optax.MultiSteps` and `apply_if_finite` do): its branches' ops are ops of the plan,
+    sharded on the batch like the rest, and three distributed steps equal `jax.jit`."""
+    D = 16
+
+    def step(w, acc, x):
+        g = jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w)
+        ok = jnp.isfinite(jnp.sum(g)) & (jnp.sum(jnp.abs(x)) > 1.0)
+        new_w, new_acc = jax.lax.cond(ok, lambda a: (w - 0.1 * (a + g), jnp.zeros_like(a)),
+                                      lambda a: (w, a + jnp.tanh(x @ w).T @ x), acc)
+        return new_w, new_acc, jnp.sum(g)
+
+    w = jnp.linspace(-1, 1, D * D).reshape(D, D)
+    acc = jnp.zeros((D, D))
+    x = jnp.sin(jnp.arange(32 * D, dtype=jnp.float32)).reshape(32, D)
+    report = hs.inspect(step, w, acc, x)
+    assert "cond" not in report["primitives"] and "select_n" in report["primitives"]
+    par = hs.parallelize(step, cluster="cpu-2-6", strategy="data-parallel")
+    plan = par.plan(w, acc, x)
+    graph = lift_program(par.lowered(w, acc, x).prog)
+    dots = [plan.op_factors[op.id] for op in graph.ops if op.primitive == "dot_general"]
+    assert len(dots) >= 4 and all(f >= 0 for f in dots), "both branches' matmuls are sharded"
+    got = want = (w, acc)
+    for k in range(3):
+        xk = x * (k + 1) if k < 2 else x * 0.0  # the last step takes the other branch
+        got, want = par(*got[:2], xk), jax.jit(step)(*want[:2], xk)
+        for a, b in zip(jax.tree.leaves(hs.gather(got)), jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6)

@@ -63,8 +63,9 @@ def test_zoo_on_two_classes(model):
 
 
 @pytest.mark.parametrize("model,cluster", [
-    ("mlp", "even"), ("mlp", "1+1+2+4"), ("gpt", "even"), ("vgg", "even"), ("vgg", "1+1+2+4"),
-    pytest.param("gpt", "1+1+2+4", marks=pytest.mark.slow)])
+    ("mlp", "even"), ("mlp", "1+1+2+4"), ("vgg", "1+1+2+4"),
+    *(pytest.param(m, c, marks=pytest.mark.slow)  # gpt and vgg on 2+6 run by default
+      for m, c in (("gpt", "even"), ("vgg", "even"), ("gpt", "1+1+2+4")))])
 def test_more_clusters(model, cluster):
     plan = run_three_steps(model, CLUSTERS[cluster]())
     if cluster == "1+1+2+4" and model == "vgg":

@@ -47,7 +47,7 @@ def test_plan_json_round_trips_exactly(gpt_plan):
     text = gpt_plan.to_json()
     again = hs.Plan.from_json(text)
     assert again == gpt_plan and again.to_json() == text
-    assert "DP-EV" in gpt_plan.summary() and "<pre>" in gpt_plan._repr_html_()
+    assert "DP-EV" in gpt_plan.summary() and "<table" in gpt_plan._repr_html_()
 
 
 def test_plans_are_cached_deterministic_and_shape_only():

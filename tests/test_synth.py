@@ -54,7 +54,7 @@ def test_data_parallel_pricing_syncs_each_gradient_once():
     assert got.deferred_comm > 0 and got.step >= got.compute
 
 
-@pytest.mark.parametrize("model", ["mlp", "gpt"])
+@pytest.mark.parametrize("model", ["mlp", pytest.param("gpt", marks=pytest.mark.slow)])
 def test_solver_objective_matches_evaluator_and_beats_its_hint(model):
     cluster, graph, nstate, uf, b = _dp_setup(model, "cpu-2-6")
     shares = [c.count * c.flops / cluster.total_flops for c in cluster.classes]

@@ -265,6 +265,11 @@ class Cluster:
             rows.append(f"  link {l.name}: {human_bandwidth(l.beta)}, {human_latency(l.alpha)}")
         return "\n".join(rows)
 
+    def _repr_html_(self) -> str:
+        """Jupyter's rich display: the classes and link levels as tables."""
+        from hapsynth.view.html import cluster_html
+        return cluster_html(self)
+
 
 def _links_arg(links: Any) -> dict[str, Any]:
     """``Cluster.simulated``'s ``links`` as the TOML ``[links]`` table."""

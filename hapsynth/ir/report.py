@@ -7,10 +7,18 @@ from collections import Counter
 from hapsynth.ir.lift import lift
 
 
-def inspect(fn, *args) -> dict:
+class Report(dict):
+    """`inspect`'s result: a plain dict (equal to one, JSON-ready) that Jupyter shows as tables."""
+
+    def _repr_html_(self) -> str:
+        from hapsynth.view.html import report_html
+        return report_html(self)
+
+
+def inspect(fn, *args) -> Report:
     """Trace and lift `fn(*args)`; args may be arrays or `jax.ShapeDtypeStruct`s.
 
-    Returns a dict: `eqns` (after inlining and dead-code removal), `traced_eqns`
+    Returns a `Report` (a dict): `eqns` (after inlining and dead-code removal), `traced_eqns`
     (top-level eqns of the jaxpr), `nodes` (after coarsening), `flops` and
     `transcendentals` (XLA's `cost_analysis()` convention), `bytes`,
     `primitives` ({name: count}), `unsupported` ({name: count} of primitives with no
@@ -22,7 +30,7 @@ def inspect(fn, *args) -> dict:
     seconds = time.perf_counter() - t0
     by_design = {op.primitive: op.rule.note for op in graph.ops
                  if op.rule.supported and op.rule.note}
-    return {
+    return Report({
         "eqns": len(graph.ops),
         "traced_eqns": prog.traced_eqns,
         "nodes": len(graph.nodes),
@@ -34,4 +42,4 @@ def inspect(fn, *args) -> dict:
         "primitives": dict(sorted(Counter(op.primitive for op in graph.ops).items())),
         "node_kinds": dict(sorted(Counter(n.kind for n in graph.nodes).items())),
         "seconds": round(seconds, 3),
-    }
+    })

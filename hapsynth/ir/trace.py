@@ -3,9 +3,10 @@
 Nested `jit`, custom-derivative calls and `remat` are inlined. A `scan` is lifted into
 a *loop region*: its body's eqns appear once, between marker ops for each scanned-over
 operand's slice, each carry and each stacked output (see `Loop`), so the planner lays
-out the body like any other ops and the lowering runs it as a `lax.scan`. Other control
-flow (`while`, `cond`, a scan inside a loop body) stays one eqn, its bodies kept for
-costing. Dead eqns are removed, as XLA would. Tensors are numbered; the same inner
+out the body like any other ops and the lowering runs it as a `lax.scan`. A `cond`
+becomes its branches' ops and a `select_n` per result (every branch runs; the index
+picks). Other control flow (`while` with a dynamic trip count, a scan inside a loop
+body) stays one eqn, its bodies kept for costing. Dead eqns are removed, as XLA would. Tensors are numbered; the same inner
 jaxpr inlined twice gets fresh numbers.
 """
 from __future__ import annotations
@@ -156,6 +157,8 @@ class _Builder:
                 outs = self.inline(body[0], body[1], ins, loop)
             elif loop is None and self.lift_loops and _jax.scan_parts(eqn) is not None:
                 outs = self.scan(eqn, ins, _jax.source_of(eqn))
+            elif self.lift_loops and _jax.cond_branches(eqn) is not None:
+                outs = self.cond(eqn, ins, _jax.source_of(eqn), loop)
             else:
                 outs = self.emit(eqn.primitive, eqn.params, ins,
                                  [to_aval(v.aval) for v in eqn.outvars],
@@ -189,6 +192,23 @@ class _Builder:
         ys = [self.emit(_jax.LOOP_STACK, {"loop": lid}, [y], [to_aval(v.aval)], source, lid)[0]
               for y, v in zip(outs[ncar:], eqn.outvars[ncar:])]
         return [*carry_out, *ys]
+
+
+    def cond(self, eqn, ins, source, loop) -> list:
+        """A `cond` as all its branches, each result chosen by `select_n` on the index:
+        one program in which every branch's ops are laid out under one plan (both run;
+        the one the index names is kept)."""
+        index, operands = ins[0], ins[1:]
+        results = [self.inline(jaxpr, consts, operands, loop)
+                   for jaxpr, consts in _jax.cond_branches(eqn)]
+        outs = []
+        for cases, var in zip(zip(*results), eqn.outvars):
+            aval = to_aval(var.aval)
+            if all(c is cases[0] for c in cases):
+                outs.append(cases[0])
+                continue
+            outs.append(self.emit(_jax.SELECT_N, {}, [index, *cases], [aval], source, loop)[0])
+        return outs
 
 
 def flatten(jaxpr, consts=(), lift_loops: bool = True):

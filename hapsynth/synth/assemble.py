@@ -7,6 +7,7 @@ from hapsynth.ir.layout import R
 from hapsynth.ir.signature import of_graph
 from hapsynth.synth.plan import Conversion, NodePlan, Plan
 from hapsynth.synth.search import Priced
+from hapsynth.synth.timeline import timeline
 from hapsynth.synth.timing import evaluate
 
 
@@ -32,7 +33,6 @@ def assemble(problem, choice: Choice, base: dict[str, Choice], solver: dict) -> 
     op_factors = [-1] * len(graph.ops)
     op_inputs = [()] * len(graph.ops)
     layouts = [R] * len(graph.tensors)
-    busy = [0.0] * cluster.num_classes
     for n, s in enumerate(assign):
         strat = st.strategies[n][s]
         for t, lay in strat.layouts.items():
@@ -40,8 +40,7 @@ def assemble(problem, choice: Choice, base: dict[str, Choice], solver: dict) -> 
         for op_id, ch in strat.choices:
             op_factors[op_id] = -1 if ch.factor is None else ch.factor
             op_inputs[op_id] = ch.inputs
-            for c, t in enumerate(tables.pricer.class_times(graph.ops[op_id], ch)):
-                busy[c] += t
+    busy = _busy(choice)
     convs = []
     for e in tables.edges:
         lay = e.layouts[assign[e.src]]
@@ -63,13 +62,27 @@ def assemble(problem, choice: Choice, base: dict[str, Choice], solver: dict) -> 
                    "ideal": graph.flops / cluster.total_flops},
         baseline_memory={k: int(b.priced.memory.total(b.assign)) for k, b in base.items()},
         baseline_ops={k: b.sharded_ops(st) for k, b in base.items()},
+        baseline_busy={k: dict(zip(names, _busy(b))) for k, b in base.items()},
         memory={c.name: {"need": int(choice.priced.memory.total(assign)),
                          "capacity": int(c.memory)} for c in cluster.classes},
         solver=solver, nodes=_nodes(graph, st, assign, layouts, op_inputs),
         op_factors=tuple(op_factors), tensor_layouts=tuple(layouts), op_inputs=tuple(op_inputs),
         conversions=tuple(convs), shard_units={int(k): tuple(v) for k, v in tables.units.items()},
         signature=of_graph(graph), unsupported=dict(graph.unsupported),
-        chosen=choice.name, state_leaves=st.num_state_leaves)
+        chosen=choice.name, state_leaves=st.num_state_leaves,
+        timeline=timeline(tables, assign, tuple(names)))
+
+
+def _busy(choice: Choice) -> list[float]:
+    """Per class, the busiest device's compute seconds in one step of `choice`."""
+    tables = choice.priced.tables
+    st = tables.structure
+    busy = [0.0] * tables.pricer.cluster.num_classes
+    for n, s in enumerate(choice.assign):
+        for op_id, ch in st.strategies[n][s].choices:
+            for c, t in enumerate(tables.pricer.class_times(st.graph.ops[op_id], ch)):
+                busy[c] += t
+    return busy
 
 
 def _nodes(graph, st, assign, layouts, op_inputs) -> tuple[NodePlan, ...]:

@@ -2,12 +2,12 @@
 exactly through JSON (layouts written as "R", "P", "S<dim>/<units>")."""
 from __future__ import annotations
 
-import html
 import json
 from dataclasses import dataclass, fields
 
 from hapsynth.ir.layout import Layout
 from hapsynth.ir.signature import Signature, difference
+from hapsynth.synth.timeline import Span
 
 
 class PlanMismatch(ValueError):
@@ -63,6 +63,8 @@ class Plan:
     unsupported: dict = None          # primitives planned replicated for lack of a rule
     chosen: str = "synthesized"       # or "DP-CP"/"DP-EV" when a baseline was already best
     baseline_ops: dict = None         # {"DP-EV": ops sharded, "DP-CP": ops sharded}
+    baseline_busy: dict = None        # {"DP-EV": {class: busy seconds}, "DP-CP": {...}}
+    timeline: tuple[Span, ...] = ()   # one step per class lane and the sync lane (`timeline.py`)
 
     @property
     def strategies(self) -> tuple[str, ...]:
@@ -104,6 +106,7 @@ class Plan:
                                for ins in d["op_inputs"])
         d["conversions"] = tuple(Conversion(**{**c, "src": lay(c["src"]), "dst": lay(c["dst"])})
                                  for c in d["conversions"])
+        d["timeline"] = tuple(Span(**x) for x in d.get("timeline", ()))
         d["shard_units"] = {int(k): tuple(v) for k, v in d["shard_units"].items()}
         d["signature"] = Signature(**{k: v if k == "digest" else tuple(v)
                                       for k, v in d["signature"].items()})
@@ -190,7 +193,19 @@ class Plan:
         return "\n".join(out)
 
     def _repr_html_(self) -> str:
-        return "<pre>" + html.escape(self.summary()) + "</pre>"
+        from hapsynth.view.html import plan_html
+        return plan_html(self)
+
+    # -- pictures (the `[plot]` extra: matplotlib) ---------------------------------
+    def plot_timeline(self, ax=None):
+        """One step as a Gantt chart per device class; returns the matplotlib Figure."""
+        from hapsynth.view.plots import plot_timeline
+        return plot_timeline(self, ax=ax)
+
+    def plot_balance(self, ax=None):
+        """Busy and idle seconds per class, beside DP-EV and DP-CP; returns the Figure."""
+        from hapsynth.view.plots import plot_balance
+        return plot_balance(self, ax=ax)
 
 
 def _ops_text(ops, prims, limit: int = 8) -> str:

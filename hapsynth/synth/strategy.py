@@ -216,17 +216,52 @@ def propagate(graph: Graph, ops, klass, uf: UnionFind, carry: bool = False,
     ids = {op.id for op in ops}
     later = {t for op in ops for t in op.inputs if t is not None
              and graph.tensors[t].producer in ids and graph.tensors[t].producer > op.id}
+
+    def guess(t):  # a tensor of another node, as made if that node shards `klass` too
+        if t in later or (carry and not made_outside(t)):
+            return P
+        return P if klass is not None and _partial_under(graph, t, klass, uf) else R
+
     for _ in range(2 if later else 1):
         choices = []
         for op, factor in zip(ops, factors):
-            in_layouts = [None if t is None else
-                          layout.get(t, P if (carry and not made_outside(t)) or t in later else R)
+            in_layouts = [None if t is None else layout[t] if t in layout else guess(t)
                           for t in op.inputs]
             ch = op_choice(op, factor, in_layouts, units)
             for t, lay in zip(op.outputs, ch.outputs):
                 layout[t] = lay
             choices.append((op.id, ch))
     return Strategy(klass, tuple(choices), layout, name)
+
+
+def _join_equal(uf: FactorClasses, classes) -> set:
+    """Classes of the batch in equal blocks are one (the same rows, read by several ops:
+    e.g. the first microbatch and the loop's next ones); returns the roots left."""
+    by_units: dict = {}
+    for c in sorted(classes):
+        root = by_units.setdefault(uf.units(c), c)
+        if uf.find(root) != uf.find(c):
+            units = uf.units(root)
+            uf.union(uf.find(root), uf.find(c))
+            uf._units[uf.find(root)] = units
+    return {uf.find(c) for c in classes}
+
+
+def _partial_under(graph: Graph, t: int, klass, uf: UnionFind, depth: int = 6) -> bool:
+    """Is `t` a partial sum when its producer shards `klass`: made by an op reducing over
+    `klass`, or carried as a partial sum (the registry's facts) from such ops?"""
+    p = graph.tensors[t].producer
+    if p is None or depth == 0:
+        return False
+    op = graph.ops[p]
+    if any(f.shardable and f.kind == REDUCTION and uf.find((op.id, fi)) == klass
+           for fi, f in enumerate(op.rule.factors)):
+        return True
+    ins = [x for x in op.inputs if x is not None]
+    below = [_partial_under(graph, x, klass, uf, depth - 1) for x in ins]
+    return bool(ins) and ((op.carries == "unary" and below == [True])
+                          or (op.carries == "sum" and all(below))
+                          or (op.carries == "accumulate" and any(below)))
 
 
 def batch_classes(graph: Graph, uf: FactorClasses, data_inputs) -> tuple:
@@ -236,6 +271,7 @@ def batch_classes(graph: Graph, uf: FactorClasses, data_inputs) -> tuple:
     data = {t: graph.batch_dims.get(t, 0) for t in data_inputs}
     found = {uf.find((op.id, fi)) for op in graph.ops for fi, f in enumerate(op.rule.factors)
              if f.shardable and any(data.get(op.inputs[i]) == d for (i, d) in f.operands)}
+    found = _join_equal(uf, found)
     reach: dict = {}
     for item in uf.size:
         root = uf.find(item)

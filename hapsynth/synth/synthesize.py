@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from hapsynth import progress
 from hapsynth.cluster import Cluster
 from hapsynth.ir.graph import Graph
 from hapsynth.synth.plan import Plan
@@ -151,6 +152,7 @@ def improve(problem: Problem, best: Choice, options: Options, clock: Clock):
     rounds, CP-SAT wall seconds)."""
     moves = problem.class_moves()
     pr = best.priced
+    progress.phase("local search")
     best = problem.choice("synthesized", pr, local_search(
         pr, best.assign, problem.ties, budget=int(40 * options.time_limit), class_moves=moves))
     clock.lap("starts+search")
@@ -160,6 +162,7 @@ def improve(problem: Problem, best: Choice, options: Options, clock: Clock):
             rounds -= 1
             break  # the wall-clock budget is what users asked for
         pr = best.priced
+        progress.phase("CP-SAT")
         a, stats = solve(pr.tables, list(best.assign), time_limit=0.3 * options.time_limit / rounds,
                          workers=options.workers, wall_limit=0.35 * options.time_limit / rounds,
                          seed=options.seed, ties=problem.ties,
@@ -169,6 +172,7 @@ def improve(problem: Problem, best: Choice, options: Options, clock: Clock):
         if pr.time(a) < best.time:
             best = problem.choice("synthesized", pr, a)
         improved = False
+        progress.phase("share grid")
         for cand in share_candidates(problem.cluster):
             trial = problem.priced(cand, only=best.assign)
             t = trial.time(best.assign)
@@ -185,11 +189,14 @@ def synthesize(graph: Graph, cluster: Cluster, *, num_state_leaves: int, data_in
                options: Options = Options()) -> Plan:
     """The best plan found for `graph` on `cluster` within `options.time_limit`."""
     clock = Clock()
+    progress.phase("structure")
     problem = Problem.build(graph, cluster, num_state_leaves, data_inputs, options)
     clock.lap("structure")
+    progress.phase("baselines")
     dp = data_parallel_choices(problem)
     base = baselines(problem, dp)
     clock.lap("baselines")
+    progress.phase("starts")
     best, stats, rounds, solve_wall = improve(problem, start(problem, dp), options, clock)
     fitting = [b for b in base.values() if b.priced.fits(b.assign)]
     if fitting:

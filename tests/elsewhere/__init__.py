@@ -17,6 +17,7 @@ from __future__ import annotations
 from . import (
     bf16_mixed,
     equinox_cnn,
+    equinox_vit,
     grad_accum,
     grad_accum_fori,
     haiku_resnet,
@@ -33,6 +34,7 @@ MODELS = {
     "linen_transformer": linen_transformer,  # Flax linen BERT MLM, dropout rng, clipped AdamW
     "haiku_resnet": haiku_resnet,            # dm-haiku ResNet-18, BatchNorm state, SGD momentum
     "equinox_cnn": equinox_cnn,              # Equinox MNIST CNN, partition / combine
+    "equinox_vit": equinox_vit,              # Equinox ViT-B/16, eqx.nn attention, clipped AdamW
     "grad_accum": grad_accum,                # microbatches in lax.scan
     "grad_accum_fori": grad_accum_fori,      # microbatches in lax.fori_loop + dynamic_slice
     "bf16_mixed": bf16_mixed,                # linen ViT, bf16 compute, f32 master weights
