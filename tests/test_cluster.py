@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -522,3 +523,92 @@ def _clusters(draw):
 def test_any_cluster_round_trips_exactly(c, explicit):
     assert Cluster.from_toml(c.to_toml(explicit=explicit)) == c
     assert Cluster.from_dict(json.loads(json.dumps(c.to_dict(explicit=explicit)))) == c
+
+
+# ---- islands --------------------------------------------------------------------------
+
+ISLANDS_TOML = """
+name = "two-sites"
+[[class]]
+type = "A100"
+hosts = 2
+devices_per_host = 4
+[[class]]
+type = "V100"
+hosts = 1
+devices_per_host = 4
+[[island]]
+name = "site-a"
+host_ids = [0, 1]
+[[island]]
+name = "site-b"
+classes = ["V100"]
+[links.inter_host]
+bandwidth = "100Gbps"
+latency = "10us"
+[links.inter_island]
+name = "WAN"
+bandwidth = "1Gbps"
+latency = "1ms"
+"""
+
+
+def test_islands_give_a_third_link_level_and_round_trip():
+    c = Cluster.from_toml(ISLANDS_TOML)
+    assert [i.name for i in c.islands] == ["site-a", "site-b"] and c.num_islands == 2
+    assert [c.island_of(d) for d in (0, 4, 7, 8)] == [0, 0, 0, 1]
+    assert c.island_devices(1) == tuple(range(8, 12))
+    assert c.link_between(0, 1) is c.links[0]          # one host
+    assert c.link_between(0, 4) is c.links[1]          # two hosts of one island
+    assert c.link_between(0, 8).name == "WAN" and c.inter_island.beta == 1e9 / 8
+    assert Cluster.from_toml(c.to_toml()) == c
+    assert Cluster.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+    assert "island site-b: hosts [2]" in c.summary()
+
+
+def test_without_islands_the_inter_island_level_is_the_inter_host_one():
+    c = Cluster.load("a100x8-v100x8-100g")
+    assert c.islands == () and c.num_islands == 1 and c.inter_island == c.inter_host
+    assert c.link_between(0, 8) == c.inter_host
+    assert "inter_island" not in c.to_toml()   # nothing to say: written as before
+    two = Cluster(c.classes, links=c.links[:2], name=c.name)   # two levels given in code
+    assert two == c
+
+
+def test_a_ring_across_islands_is_priced_on_the_inter_island_link():
+    from hapsynth.synth.collectives import all_reduce
+    flat = Cluster.from_toml(ISLANDS_TOML.split("[[island]]")[0]
+                             + '[links.inter_host]\nbandwidth = "100Gbps"\nlatency = "10us"\n')
+    sites = Cluster.from_toml(ISLANDS_TOML)
+    inside = list(range(8))   # site-a only: the inter-host link, as without islands
+    both = list(range(12))
+    assert all_reduce(sites, 1 << 24, inside) == pytest.approx(all_reduce(flat, 1 << 24, inside))
+    assert all_reduce(sites, 1 << 24, both) > 50 * all_reduce(flat, 1 << 24, both)
+
+
+@pytest.mark.parametrize("island,message", [
+    ('name = "x"\nhost_ids = [0, 7]', "island[0].hosts: host 7 holds no device"),
+    ('name = "x"\nclasses = ["A100", "V1OO"]', "island[0].classes: no class named 'V1OO'"),
+    ('name = "x"\nhost_ids = [0]\nclasses = ["V100"]', "give exactly one of"),
+    ('name = "x"\nhost_ids = [0, 0, 1]', "island[0].host_ids: lists a host twice"),
+    ('name = "x"\nhost_ids = [0, 1]', "hosts [2] are in no island"),
+    ('name = "x"\nhosts = [0, 1, 2]', "island[0].hosts: unknown key 'hosts' (did you mean 'host_ids'?"),
+])
+def test_bad_islands_name_the_field(island, message):
+    head = ISLANDS_TOML.split("[[island]]")[0]
+    with pytest.raises(ClusterError, match=re.escape(message)):
+        Cluster.from_toml(head + "[[island]]\n" + island + "\n")
+
+
+def test_island_presets():
+    pair = Cluster.load("a100x8-v100x8-islands-10g")
+    assert [i.name for i in pair.islands] == ["a100", "v100"]
+    assert pair.inter_island.beta == 10e9 / 8 and pair.classes[1].memory == 32 * 2**30
+    hap = Cluster.load("hap-islands")
+    assert hap.num_devices == 64 and [len(hap.island_devices(k)) for k in range(2)] == [16, 48]
+    three = Cluster.load("three-islands")
+    assert three.num_islands == 3 and three.link_between(0, 31) == three.inter_island
+    assert three.link_between(16, 24) == three.inter_host   # the two V100 hosts
+    sim = Cluster.simulated([("A100", 4), ("V100", 4)], devices_per_host=4,
+                            islands={"a": ["A100"], "b": [1]})
+    assert sim.island_of(0) == 0 and sim.island_of(7) == 1

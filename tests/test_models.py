@@ -163,6 +163,7 @@ def test_moe_layer_matches_token_loop(capacity):
     assert (dropped_rows > 0) == (capacity == 3)  # capacity 3 really drops whole tokens
 
 
+@pytest.mark.slow  # eager NNX calls: slow on CPU; the planner's tests run GPT throughout
 def test_gpt_is_causal_and_tied():
     cfg = gpt_mod.config("tiny")
     model = gpt_mod.GPT(cfg, rngs=nnx.Rngs(0))

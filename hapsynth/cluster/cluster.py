@@ -6,7 +6,8 @@ A :class:`Cluster` is plain, immutable data; planning needs no real devices
 * Devices are numbered globally in class order: class 0's devices first.
 * ``links`` holds one :class:`LinkLevel` per level of :data:`~.values.LEVELS`,
   innermost first: ``links[0]`` joins devices on one host, ``links[1]`` devices
-  on different hosts.
+  on different hosts of one island, ``links[2]`` devices on different islands.
+* ``islands`` groups the hosts (every host in exactly one); none declared: one island.
 
 Descriptions are read and written in the TOML format of :mod:`.schema`; built-in
 presets are found by :mod:`.library`.
@@ -23,7 +24,7 @@ from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 from . import library, schema
 from .errors import ClusterError, fail, nonempty_str
 from .units import human_bandwidth, human_flops, human_latency, human_memory
-from .values import DEFAULT_LINKS, LEVEL_KEYS, DeviceClass, LinkLevel
+from .values import DEFAULT_LINKS, LEVEL_KEYS, DeviceClass, Island, LinkLevel
 
 __all__ = ["Cluster", "Device"]
 
@@ -46,6 +47,7 @@ class Cluster:
     classes: tuple[DeviceClass, ...]
     links: tuple[LinkLevel, ...] = DEFAULT_LINKS
     name: str = "cluster"
+    islands: tuple[Island, ...] = ()
 
     def __post_init__(self):
         classes = tuple(self.classes)
@@ -60,13 +62,15 @@ class Cluster:
                            f"class[{seen[c.name]}]); give classes of one type distinct names")
             seen[c.name] = i
         links = tuple(self.links)
+        if len(links) == len(DEFAULT_LINKS) - 1:  # no inter-island level: as inter-host
+            links = (*links, links[-1])
         if len(links) != len(DEFAULT_LINKS) or not all(isinstance(l, LinkLevel) for l in links):
-            names = ", ".join(l.name for l in DEFAULT_LINKS)
-            raise fail("links", f"must be {len(DEFAULT_LINKS)} LinkLevels ({names}), "
-                       f"got {self.links!r}")
+            raise fail("links", f"must be {len(DEFAULT_LINKS)} LinkLevels "
+                       f"({', '.join(LEVEL_KEYS)}), got {self.links!r}")
         object.__setattr__(self, "classes", classes)
         object.__setattr__(self, "links", links)
         object.__setattr__(self, "name", nonempty_str(self.name, "name"))
+        object.__setattr__(self, "islands", _check_islands(self.islands, classes))
 
     def __repr__(self) -> str:
         parts = " + ".join(f"{c.count}×{c.name}" for c in self.classes)
@@ -147,9 +151,36 @@ class Cluster:
     def inter_host(self) -> LinkLevel:
         return self.links[1]
 
+    @property
+    def inter_island(self) -> LinkLevel:
+        return self.links[2]
+
     def link_between(self, i: int, j: int) -> LinkLevel:
-        """The level joining devices ``i`` and ``j``: intra-host if they share a host."""
-        return self.links[0] if self.host_of(i) == self.host_of(j) else self.links[1]
+        """The level joining devices ``i`` and ``j``: intra-host if they share a host,
+        inter-host if they share an island, else inter-island."""
+        hi, hj = self.host_of(i), self.host_of(j)
+        if hi == hj:
+            return self.links[0]
+        return self.links[1] if self._island_of_host[hi] == self._island_of_host[hj] else self.links[2]
+
+    # ---- islands
+
+    @cached_property
+    def _island_of_host(self) -> dict[int, int]:
+        return {h: k for k, isl in enumerate(self.islands) for h in isl.hosts} or {
+            d.host: 0 for d in self.devices}
+
+    @property
+    def num_islands(self) -> int:
+        return max(1, len(self.islands))
+
+    def island_of(self, i: int) -> int:
+        """Index of device ``i``'s island (0 when the cluster declares none)."""
+        return self._island_of_host[self.host_of(i)]
+
+    def island_devices(self, k: int) -> tuple[int, ...]:
+        """Global indices of the devices of island ``k``."""
+        return tuple(d.index for d in self.devices if self._island_of_host[d.host] == k)
 
     # ---- reading
 
@@ -158,8 +189,8 @@ class Cluster:
                   default_name: str = "cluster") -> "Cluster":
         """A cluster from the TOML schema as a dict (what ``tomllib`` returns)."""
         try:
-            name, classes, links = schema.from_dict(data, default_name)
-            return cls(classes=classes, links=links, name=name)
+            name, classes, links, islands = schema.from_dict(data, default_name)
+            return cls(classes=classes, links=links, name=name, islands=islands)
         except ClusterError as e:
             raise e.with_source(source) from None
 
@@ -191,7 +222,8 @@ class Cluster:
 
     @classmethod
     def simulated(cls, entries: Sequence[Any], *, devices_per_host: int | None = None,
-                  links: Any = None, name: str | None = None) -> "Cluster":
+                  links: Any = None, name: str | None = None,
+                  islands: Mapping[str, Sequence] | None = None) -> "Cluster":
         """A cluster from ``[(type, count), ...]`` (for simulated devices: tests, what-ifs).
 
         Entries: ``(type, count)``, ``(type, count, {overrides})`` with keys of a TOML
@@ -200,7 +232,8 @@ class Cluster:
         ``devices_per_host=None`` all devices share host 0; with ``D`` each class
         fills new hosts of ``D`` devices.  ``links``: ``None`` (``DEFAULT_LINKS``),
         one :class:`LinkLevel` per level, or a dict like the TOML ``[links]`` table
-        whose values are tables or :class:`LinkLevel`.  No devices are needed.
+        whose values are tables or :class:`LinkLevel`.  ``islands``: ``{name: host ids}``
+        or ``{name: class names}`` (the hosts of those classes).  No devices are needed.
         """
         if isinstance(entries, (str, bytes)) or not isinstance(entries, Iterable):
             raise ClusterError(f"entries must be a list of (type, count), got {entries!r}",
@@ -228,6 +261,10 @@ class Cluster:
         data: dict[str, Any] = {"class": tables}
         if links is not None:
             data["links"] = _links_arg(links)
+        if islands:  # {name: host ids, or class names whose hosts it holds}
+            data["island"] = [
+                {"name": k, ("classes" if v and isinstance(v[0], str) else "host_ids"): list(v)}
+                for k, v in islands.items()]
         if name is None:
             name = "sim-" + "-".join(f"{t.get('name', t['type'])}x{t.get('count', '?')}"
                                      for t in tables if isinstance(t.get("type"), str))
@@ -243,11 +280,13 @@ class Cluster:
         ``explicit=True`` (default) writes flops/memory/mem_bandwidth of every class;
         ``False`` only those that differ from the catalogue.
         """
-        return schema.to_dict(self.name, self.classes, self.links, explicit=explicit)
+        return schema.to_dict(self.name, self.classes, self.links, explicit=explicit,
+                              islands=self.islands)
 
     def to_toml(self, *, explicit: bool = False) -> str:
         """TOML text that :meth:`from_toml` / :meth:`load` read back into an equal cluster."""
-        return schema.to_toml(self.name, self.classes, self.links, explicit=explicit)
+        return schema.to_toml(self.name, self.classes, self.links, explicit=explicit,
+                              islands=self.islands)
 
     def save(self, path: str | os.PathLike, *, explicit: bool = False) -> None:
         Path(path).write_text(self.to_toml(explicit=explicit), encoding="utf-8")
@@ -261,14 +300,47 @@ class Cluster:
             rows.append(f"  [{ci}] {c.name:<12} {c.type:<10} ×{c.count:<4} devices "
                         f"{devs[0]}-{devs[-1]}  hosts {sorted(set(c.hosts))}  "
                         f"{human_flops(c.flops)}  {human_memory(c.memory)}")
-        for l in self.links:
-            rows.append(f"  link {l.name}: {human_bandwidth(l.beta)}, {human_latency(l.alpha)}")
+        for isl in self.islands:
+            rows.append(f"  island {isl.name}: hosts {list(isl.hosts)}")
+        for key, l in zip(LEVEL_KEYS, self.links):
+            if key == "inter_island" and not self.islands:
+                continue
+            rows.append(f"  link {key} ({l.name}): {human_bandwidth(l.beta)}, "
+                        f"{human_latency(l.alpha)}")
         return "\n".join(rows)
 
     def _repr_html_(self) -> str:
         """Jupyter's rich display: the classes and link levels as tables."""
         from hapsynth.view.html import cluster_html
         return cluster_html(self)
+
+
+def _check_islands(islands: Any, classes) -> tuple[Island, ...]:
+    """Islands as given, checked: each an `Island`, names unique, every host of the
+    classes in exactly one island (or no islands at all)."""
+    islands = tuple(islands or ())
+    if not islands:
+        return ()
+    hosts = {h for c in classes for h in c.hosts}
+    seen: dict[int, str] = {}
+    names: set[str] = set()
+    for k, isl in enumerate(islands):
+        if not isinstance(isl, Island):
+            raise fail(f"island[{k}]", f"must be an Island, got {isl!r}")
+        if isl.name in names:
+            raise fail(f"island[{k}].name", f"duplicate island name {isl.name!r}")
+        names.add(isl.name)
+        for h in isl.hosts:
+            if h not in hosts:
+                raise fail(f"island[{k}].hosts", f"host {h} holds no device (hosts: "
+                           f"{sorted(hosts)})")
+            if h in seen:
+                raise fail(f"island[{k}].hosts", f"host {h} is already in island {seen[h]!r}")
+            seen[h] = isl.name
+    missing = sorted(hosts - set(seen))
+    if missing:
+        raise fail("island", f"hosts {missing} are in no island; every host must be in one")
+    return islands
 
 
 def _links_arg(links: Any) -> dict[str, Any]:
@@ -280,7 +352,7 @@ def _links_arg(links: Any) -> dict[str, Any]:
 
     if isinstance(links, Mapping):
         return {k: level(v) for k, v in links.items()}
-    if isinstance(links, (tuple, list)) and len(links) == len(LEVEL_KEYS):
+    if isinstance(links, (tuple, list)) and len(links) in (len(LEVEL_KEYS) - 1, len(LEVEL_KEYS)):
         return {k: level(v) for k, v in zip(LEVEL_KEYS, links)}
     raise ClusterError(f"must be None, {len(LEVEL_KEYS)} LinkLevels or a dict like the TOML "
                        f"[links] table, got {links!r}", field="links", source="Cluster.simulated")

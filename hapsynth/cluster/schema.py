@@ -25,6 +25,14 @@
     bandwidth = "10.4Gbps"
     latency = "20us"
 
+    [[island]]                     # optional: groups of hosts on fast links, joined by
+    name = "v100-rack"             #   [links.inter_island] (default: as inter_host);
+    classes = ["v100"]             #   the hosts of these classes, or host_ids = [0, 1];
+                                   #   declared, every host is in exactly one island
+    [links.inter_island]
+    bandwidth = "10Gbps"
+    latency = "30us"
+
 "New hosts" are numbered from one past the largest host id used by the classes
 above.  Quantities are numbers in base units or strings with units (:mod:`.units`).
 Every error is a :class:`ClusterError` naming the field path and the value, e.g.
@@ -47,17 +55,18 @@ from . import catalogue as cat
 from .errors import ClusterError, check_keys, fail, host_id, nonempty_str, pos_int
 from .units import (human_bandwidth, human_flops, human_latency, human_memory,
                     parse_bandwidth, parse_flops, parse_latency, parse_memory)
-from .values import LEVELS, LEVEL_KEYS, DeviceClass, LinkLevel
+from .values import LEVELS, LEVEL_KEYS, DeviceClass, Island, LinkLevel
 
 __all__ = ["Parsed", "from_dict", "read_toml", "to_dict", "to_toml"]
 
-_TOP_KEYS = ("name", "class", "links")
+_TOP_KEYS = ("name", "class", "links", "island")
+_ISLAND_KEYS = ("name", "host_ids", "classes")
 _CLASS_KEYS = ("type", "name", "count", "hosts", "devices_per_host", "host", "host_ids",
                "flops", "memory", "mem_bandwidth")
 _LINK_KEYS = ("name", "bandwidth", "latency")
 
-#: What a description holds: (name, classes, links).
-Parsed = tuple[str, tuple[DeviceClass, ...], tuple[LinkLevel, ...]]
+#: What a description holds: (name, classes, links, islands).
+Parsed = tuple[str, tuple[DeviceClass, ...], tuple[LinkLevel, ...], tuple[Island, ...]]
 
 
 # --------------------------------------------------------------------------- reading
@@ -72,7 +81,7 @@ def read_toml(text: str) -> dict[str, Any]:
 
 
 def from_dict(data: Any, default_name: str) -> Parsed:
-    """(name, classes, links) of a description in the TOML schema, as a dict."""
+    """(name, classes, links, islands) of a description in the TOML schema, as a dict."""
     if not isinstance(data, Mapping):
         raise fail(None, f"a cluster description must be a table, got {type(data).__name__}")
     check_keys(data, _TOP_KEYS, None)
@@ -94,9 +103,48 @@ def from_dict(data: Any, default_name: str) -> Parsed:
     if not isinstance(links_tbl, Mapping):
         raise fail("links", f"must be a table, got {links_tbl!r}")
     check_keys(links_tbl, LEVEL_KEYS, "links")
-    links = tuple(_link_from_table(links_tbl[key], key, default.name)
-                  if key in links_tbl else default for key, default in LEVELS)
-    return name, tuple(classes), links
+    links: list[LinkLevel] = []
+    for key, default in LEVELS:
+        if key in links_tbl:
+            links.append(_link_from_table(links_tbl[key], key, default.name))
+        else:  # an absent inter-island level is the inter-host one
+            links.append(links[-1] if key == "inter_island" else default)
+    return name, tuple(classes), tuple(links), _islands(data.get("island", []), classes)
+
+
+def _islands(tables: Any, classes: Sequence[DeviceClass]) -> tuple[Island, ...]:
+    """The ``[[island]]`` tables: each names its hosts by id or by the classes on them."""
+    if not isinstance(tables, list):
+        raise fail("island", f"must be an array of tables ([[island]]), got {tables!r}")
+    by_name = {c.name: c for c in classes}
+    out = []
+    for k, tbl in enumerate(tables):
+        p = f"island[{k}]"
+        if not isinstance(tbl, Mapping):
+            raise fail(p, f"must be a table, got {tbl!r}")
+        check_keys(tbl, _ISLAND_KEYS, p)
+        if ("host_ids" in tbl) == ("classes" in tbl):
+            raise fail(p, "give exactly one of 'host_ids' or 'classes'")
+        if "classes" in tbl:
+            names = tbl["classes"]
+            if not isinstance(names, list) or not names:
+                raise fail(f"{p}.classes", f"must be a non-empty array of class names, got {names!r}")
+            for n in names:
+                if n not in by_name:
+                    raise fail(f"{p}.classes", f"no class named {n!r} (classes: "
+                               f"{', '.join(by_name)})")
+            hosts = sorted({h for n in names for h in by_name[n].hosts})
+        else:
+            hosts = tbl["host_ids"]
+            if not isinstance(hosts, list):
+                raise fail(f"{p}.host_ids", f"must be an array of host ids, got {hosts!r}")
+        name = nonempty_str(tbl["name"], f"{p}.name") if "name" in tbl else f"island{k}"
+        try:
+            out.append(Island(name, tuple(hosts)))
+        except ClusterError as e:
+            field = "host_ids" if (e.field or "").startswith("hosts") else e.field
+            raise fail(f"{p}.{field}", e.message) from None
+    return tuple(out)
 
 
 def _link_from_table(tbl: Any, key: str, default_name: str) -> LinkLevel:
@@ -189,7 +237,7 @@ def _hosts(tbl: Mapping[str, Any], p: str, next_host: int) -> tuple[int, ...]:
 
 
 def to_dict(name: str, classes: Sequence[DeviceClass], links: Sequence[LinkLevel], *,
-            explicit: bool = True) -> dict[str, Any]:
+            explicit: bool = True, islands: Sequence[Island] = ()) -> dict[str, Any]:
     """The TOML schema as plain data (JSON-serialisable); :func:`from_dict` reads it back.
 
     ``explicit=True`` writes flops/memory/mem_bandwidth of every class; ``False``
@@ -210,13 +258,18 @@ def to_dict(name: str, classes: Sequence[DeviceClass], links: Sequence[LinkLevel
         tables.append(t)
     link_tables = {}
     for (key, default), level in zip(LEVELS, links):
+        if key == "inter_island" and not islands and level == links[1]:
+            continue  # as the inter-host level: nothing to say
         lt: dict[str, Any] = {}
         if level.name != default.name:
             lt["name"] = level.name
         lt["bandwidth"] = level.beta
         lt["latency"] = level.alpha
         link_tables[key] = lt
-    return {"name": name, "class": tables, "links": link_tables}
+    out = {"name": name, "class": tables, "links": link_tables}
+    if islands:
+        out["island"] = [{"name": i.name, "host_ids": list(i.hosts)} for i in islands]
+    return out
 
 
 def _placement(c: DeviceClass, next_host: int) -> dict[str, Any]:
@@ -237,12 +290,13 @@ _READABLE = {"memory": human_memory, "mem_bandwidth": human_bandwidth, "flops": 
 
 
 def to_toml(name: str, classes: Sequence[DeviceClass], links: Sequence[LinkLevel], *,
-            explicit: bool = False, comments: Sequence[str] = ()) -> str:
+            explicit: bool = False, comments: Sequence[str] = (),
+            islands: Sequence[Island] = ()) -> str:
     """TOML text of the description (:func:`to_dict`), with readable numbers in comments.
 
     ``comments``: lines for the top of the file.
     """
-    d = to_dict(name, classes, links, explicit=explicit)
+    d = to_dict(name, classes, links, explicit=explicit, islands=islands)
     num_hosts = len({h for c in classes for h in c.hosts})
     num_devices = sum(c.count for c in classes)
     doc = tomlkit.document()
@@ -266,6 +320,13 @@ def to_toml(name: str, classes: Sequence[DeviceClass], links: Sequence[LinkLevel
                              f"{e.mem_bandwidth / 1e9:.4g} GB/s"))
         aot.append(tbl)
     doc.add("class", aot)
+    if islands:
+        isl = tomlkit.aot()
+        for t in d["island"]:
+            tbl = tomlkit.table()
+            _add_all(tbl, t)
+            isl.append(tbl)
+        doc.add("island", isl)
     link_tables = tomlkit.table(is_super_table=True)
     for key, lt in d["links"].items():
         tbl = tomlkit.table()

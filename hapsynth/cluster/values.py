@@ -3,8 +3,11 @@
 * :class:`LinkLevel` — latency ``alpha`` (s) and bandwidth ``beta`` (bytes/s); a
   message of ``n`` bytes over a level costs ``alpha + n / beta``.
 * :data:`LEVELS` — the levels of the link hierarchy, innermost first: the TOML key
-  under ``[links]`` and the default of each.  Today two: ``intra_host`` joins
-  devices on one host (NVLink/PCIe), ``inter_host`` devices on different hosts.
+  under ``[links]`` and the default of each.  Three: ``intra_host`` joins
+  devices on one host (NVLink/PCIe), ``inter_host`` devices on different hosts of one
+  island, ``inter_island`` devices on different islands (groups of hosts joined by a
+  slower link; a cluster without islands is one island).
+* :class:`Island` — a named group of hosts.
 * :class:`DeviceClass` — a group of identical devices with their host ids.
 
 Fields accept numbers in base units or strings with units (:mod:`.units`).
@@ -18,7 +21,7 @@ from . import catalogue as cat
 from .errors import fail, host_id, nonempty_str, pos_int
 from .units import parse_bandwidth, parse_flops, parse_latency, parse_memory
 
-__all__ = ["LinkLevel", "DeviceClass", "LEVELS", "LEVEL_KEYS", "DEFAULT_LINKS"]
+__all__ = ["LinkLevel", "DeviceClass", "Island", "LEVELS", "LEVEL_KEYS", "DEFAULT_LINKS"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class LinkLevel:
 LEVELS: tuple[tuple[str, LinkLevel], ...] = (
     ("intra_host", LinkLevel("intra-host", 5e-6, 10e9)),
     ("inter_host", LinkLevel("inter-host", 20e-6, 10e9 / 8)),
+    ("inter_island", LinkLevel("inter-host", 20e-6, 10e9 / 8)),  # absent: as inter_host
 )
 LEVEL_KEYS: tuple[str, ...] = tuple(key for key, _ in LEVELS)
 #: Used when a TOML file has no ``[links.*]`` table or ``Cluster.simulated`` gets
@@ -109,3 +113,22 @@ class DeviceClass:
             mem_bandwidth=entry.mem_bandwidth if mem_bandwidth is None else mem_bandwidth,
             hosts=(0,) * count if hosts is None else hosts,
         )
+
+
+@dataclass(frozen=True)
+class Island:
+    """Hosts joined by fast links (a rack, a site); islands are joined by ``inter_island``."""
+
+    name: str
+    hosts: tuple[int, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "name", nonempty_str(self.name, "name"))
+        if isinstance(self.hosts, (str, bytes)) or not isinstance(self.hosts, Iterable):
+            raise fail("hosts", f"must be a sequence of host ids, got {self.hosts!r}")
+        hosts = tuple(host_id(h, f"hosts[{k}]") for k, h in enumerate(self.hosts))
+        if not hosts:
+            raise fail("hosts", "an island needs at least one host")
+        if len(set(hosts)) != len(hosts):
+            raise fail("hosts", f"lists a host twice: {list(hosts)}")
+        object.__setattr__(self, "hosts", tuple(sorted(hosts)))

@@ -94,7 +94,7 @@ def _ring_levels(cluster: Cluster, devices: tuple[int, ...]) -> tuple[LinkLevel,
     if k < 2:
         return ()
     used = {cluster.link_between(devices[i], devices[(i + 1) % k]) for i in range(k)}
-    return tuple(l for l in cluster.links if l in used)
+    return tuple(l for l in dict.fromkeys(cluster.links) if l in used)
 
 
 @lru_cache(maxsize=128)
@@ -102,17 +102,10 @@ def _exchange_steps(cluster: Cluster,
                     devices: tuple[int, ...]) -> tuple[tuple[tuple[LinkLevel, ...], int], ...]:
     """Pairwise exchange: (levels used in a step, number of such steps)."""
     k = len(devices)
-    hosts = [cluster.host_of(d) for d in devices]
     steps: Counter = Counter()
     for s in range(1, k):
-        same = cross = False
-        for i in range(k):
-            if hosts[i] == hosts[(i + s) % k]:
-                same = True
-            else:
-                cross = True
-        levels = tuple(l for l, u in zip(cluster.links, (same, cross)) if u)
-        steps[levels] += 1
+        used = {cluster.link_between(devices[i], devices[(i + s) % k]) for i in range(k)}
+        steps[tuple(l for l in dict.fromkeys(cluster.links) if l in used)] += 1
     return tuple(steps.items())
 
 

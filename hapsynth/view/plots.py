@@ -109,6 +109,28 @@ def plot_plans(plans, labels=None, ax=None):
     return fig
 
 
+def plot_schedule(sched, ax=None):
+    """A pipeline schedule (`synth.pipeschedule.PipeSchedule`): a row per stage, each
+    microbatch's forward (light) and backward (dark) labelled by its number."""
+    fig, ax = _axes(ax, (10, 1.0 + 0.5 * sched.stages))
+    scale, unit = _unit(sched.makespan)
+    for phase, color, label in (("F", "#a1c9f4", "forward"), ("B", "#4c72b0", "backward")):
+        slots = [s for s in sched.slots if s.phase == phase]
+        bars = ax.barh([s.stage for s in slots], [(s.end - s.start) * scale for s in slots],
+                       left=[s.start * scale for s in slots], height=0.6, color=color,
+                       edgecolor="white", label=label)
+        for s, bar in zip(slots, bars):
+            ax.text(bar.get_x() + bar.get_width() / 2, s.stage, str(s.micro), ha="center",
+                    va="center", fontsize=7, color="black" if phase == "F" else "white")
+    ax.set_yticks(range(sched.stages), [f"stage {s}" for s in range(sched.stages)])
+    ax.invert_yaxis()
+    ax.set_xlabel(f"time ({unit})")
+    ax.set_title(f"{sched.kind}: {sched.micros} microbatches, step {sched.makespan * scale:.4g} "
+                 f"{unit}, bubble {sched.bubble():.0%}")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=2, frameon=False)
+    return fig
+
+
 def overview(plan):
     """The timeline above the balance, in one Figure (what `hapsynth plan --png` writes)."""
     lanes = len(_lanes(plan))

@@ -1,0 +1,202 @@
+"""Microbatch schedules of a pipeline, simulated: GPipe, 1F1B, and a heterogeneity-aware 1F1B.
+
+A pipeline of `S` stages runs `M` microbatches forward (F) then backward (B). Stage `s`
+takes `forward[s]` / `backward[s]` seconds per microbatch; an activation crosses from
+stage s to s+1 in `send[s]` seconds and its cotangent back in `send_back[s]` (each
+direction of a link carries one transfer at a time, overlapping compute). A schedule
+is the order of F and B work per stage; `simulate` runs it as early as dependencies,
+stages and links allow. The result is data: one `Slot` per (stage, microbatch, F/B).
+
+- GPipe: every forward, then every backward;
+- 1F1B: `S - 1 - s` forwards to warm up, then one forward and one backward in turn;
+  at most `S - s` activations in flight on stage s;
+- hetero-1F1B: a stage never idles while work is ready. It runs a ready backward
+  first (frees memory), else a ready forward while fewer than its warm-up depth are in
+  flight. The depths are searched per stage (within a memory cap) for the shortest
+  step, so a fast stage next to a slow one, or a slow link, gets the extra microbatches
+  in flight that hide them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import product
+
+KINDS = ("gpipe", "1f1b", "hetero-1f1b")
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Stage `stage` runs `phase` ("F" or "B") of microbatch `micro` from `start` to `end`."""
+
+    stage: int
+    micro: int
+    phase: str
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class PipeSchedule:
+    """A simulated schedule: its slots, the step's length, peak activations in flight."""
+
+    kind: str
+    stages: int
+    micros: int
+    slots: tuple[Slot, ...]
+    makespan: float
+    in_flight: tuple[int, ...]   # per stage: the most microbatches forwarded, not yet back
+    depths: tuple[int, ...] = ()  # hetero-1f1b: the warm-up depth chosen per stage
+
+    def order(self, stage: int) -> list[str]:
+        """"F0 F1 B0 F2 ..." on one stage, in time order."""
+        return [f"{s.phase}{s.micro}" for s in sorted(self.slots, key=lambda s: s.start)
+                if s.stage == stage]
+
+    def bubble(self) -> float:
+        """The fraction of stage-time idle within the step."""
+        busy = sum(s.end - s.start for s in self.slots)
+        return 1.0 - busy / (self.stages * self.makespan) if self.makespan else 0.0
+
+    def table(self) -> str:
+        """One line per slot: start, end, stage, microbatch, phase."""
+        rows = [f"{'start':>10} {'end':>10} stage micro phase"]
+        rows += [f"{s.start:10.4g} {s.end:10.4g} {s.stage:5d} {s.micro:5d} {s.phase:>5}"
+                 for s in sorted(self.slots, key=lambda s: (s.start, s.stage))]
+        return "\n".join(rows)
+
+    def plot(self, ax=None):
+        """A Gantt chart: a row per stage, forward and backward per microbatch (needs
+        `hapsynth[plot]`); returns the Figure."""
+        from hapsynth.view.plots import plot_schedule
+        return plot_schedule(self, ax=ax)
+
+
+def schedule(kind: str, forward, backward, micros: int, send=None, send_back=None,
+             memory_cap=None) -> PipeSchedule:
+    """The `kind` schedule (one of `KINDS`) of `micros` microbatches over the stages
+    given by per-stage `forward` and `backward` seconds and per-boundary transfer
+    seconds; `memory_cap[s]` bounds hetero-1f1b's activations in flight on stage s."""
+    S = len(forward)
+    if len(backward) != S or S < 1 or micros < 1:
+        raise ValueError(f"need as many backward as forward times (got {len(forward)} and "
+                         f"{len(backward)}) and at least one microbatch (got {micros})")
+    send = tuple(send or (0.0,) * (S - 1))
+    send_back = tuple(send_back or send)
+    if len(send) != S - 1 or len(send_back) != S - 1:
+        raise ValueError(f"{S} stages have {S - 1} boundaries; got {len(send)} transfer times")
+    times = (tuple(map(float, forward)), tuple(map(float, backward)), send, send_back)
+    if kind == "gpipe":
+        orders = [[("F", m) for m in range(micros)] + [("B", m) for m in range(micros)]
+                  for _ in range(S)]
+        return _run(kind, times, micros, orders=orders)
+    if kind == "1f1b":
+        return _run(kind, times, micros, orders=[_one_f_one_b(S, s, micros) for s in range(S)])
+    if kind == "hetero-1f1b":
+        return _adaptive(times, micros, memory_cap)
+    raise ValueError(f"unknown schedule {kind!r}; one of {', '.join(KINDS)}")
+
+
+def _one_f_one_b(S: int, s: int, M: int) -> list[tuple[str, int]]:
+    warm = min(S - 1 - s, M)
+    out = [("F", m) for m in range(warm)]
+    f, b = warm, 0
+    while b < M:
+        if f < M:
+            out.append(("F", f))
+            f += 1
+        out.append(("B", b))
+        b += 1
+    return out
+
+
+def _adaptive(times, micros: int, memory_cap) -> PipeSchedule:
+    """hetero-1f1b: the best warm-up depths per stage, from 1F1B's upward (a small
+    search: each stage may keep up to two more microbatches in flight, within its cap)."""
+    S = len(times[0])
+    base = [min(S - s, micros) for s in range(S)]
+    cap = [micros if memory_cap is None else max(1, min(micros, int(memory_cap[s])))
+           for s in range(S)]
+    choices = [sorted({min(c, b + k) for k in range(3)}) for b, c in zip(base, cap)]
+    best = _run("hetero-1f1b", times, micros, orders=[_one_f_one_b(S, s, micros)
+                                                       for s in range(S)])  # never worse
+    best = PipeSchedule(best.kind, S, micros, best.slots, best.makespan, best.in_flight,
+                        tuple(base))
+    for depths in product(*choices) if _count(choices) <= 729 else [tuple(
+            min(c, b + 2) for b, c in zip(base, cap))]:
+        run = _run("hetero-1f1b", times, micros, depths=depths)
+        if run.makespan < best.makespan * (1 - 1e-12):
+            best = run
+    return best
+
+
+def _count(choices) -> int:
+    n = 1
+    for c in choices:
+        n *= len(c)
+    return n
+
+
+def _run(kind, times, M: int, orders=None, depths=None) -> PipeSchedule:
+    """Simulate: fixed per-stage `orders`, or (with `depths`) the ready-first rule."""
+    fwd, bwd, send, send_back = times
+    S = len(fwd)
+    done: dict = {}                     # (phase, stage, micro) -> end time
+    arrive: dict = {}                   # (phase, stage, micro) -> when its input is there
+    link_free = {("F", s): 0.0 for s in range(S - 1)} | {("B", s): 0.0 for s in range(S - 1)}
+    free = [0.0] * S
+    nxt = [0] * S                        # position in orders / next forward micro
+    back = [0] * S                       # next backward micro (adaptive)
+    live = [0] * S
+    peak = [0] * S
+    slots = []
+    total = 2 * M * S
+
+    def ready(phase, s, m):
+        if phase == "F":
+            return 0.0 if s == 0 else arrive.get(("F", s, m))
+        if s == S - 1:
+            return done.get(("F", s, m))
+        return arrive.get(("B", s, m))
+
+    while len(slots) < total:
+        cands = []  # (start, preference, stage, phase, micro): the earliest, B before F
+        for s in range(S):
+            for pref, (phase, m) in enumerate(_next_work(s, orders, depths, nxt, back, live, M)):
+                r = ready(phase, s, m)
+                if r is not None:
+                    cands.append((max(free[s], r), pref, s, phase, m))
+        if not cands:
+            raise RuntimeError("pipeline schedule deadlocked")  # a bad fixed order
+        start, _, s, phase, m = min(cands)
+        end = start + (fwd[s] if phase == "F" else bwd[s])
+        slots.append(Slot(s, m, phase, start, end))
+        done[(phase, s, m)] = end
+        free[s] = end
+        if orders is not None:
+            nxt[s] += 1
+        elif phase == "F":
+            nxt[s] += 1
+        else:
+            back[s] += 1
+        live[s] += 1 if phase == "F" else -1
+        peak[s] = max(peak[s], live[s])
+        if phase == "F" and s < S - 1:
+            t0 = max(end, link_free[("F", s)])
+            link_free[("F", s)] = arrive[("F", s + 1, m)] = t0 + send[s]
+        if phase == "B" and s > 0:
+            t0 = max(end, link_free[("B", s - 1)])
+            link_free[("B", s - 1)] = arrive[("B", s - 1, m)] = t0 + send_back[s - 1]
+    return PipeSchedule(kind, S, M, tuple(slots), max(s.end for s in slots), tuple(peak),
+                        tuple(depths) if depths is not None else ())
+
+
+def _next_work(s, orders, depths, nxt, back, live, M):
+    """The work stage s may run next, in preference order."""
+    if orders is not None:
+        return [orders[s][nxt[s]]] if nxt[s] < len(orders[s]) else []
+    out = []
+    if back[s] < nxt[s]:
+        out.append(("B", back[s]))          # backward first: it frees an activation
+    if nxt[s] < M and live[s] < depths[s]:
+        out.append(("F", nxt[s]))
+    return out
