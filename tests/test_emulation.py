@@ -15,6 +15,7 @@ from hapsynth_bench.emulation import WorkRepeat
 from test_lowering import CLUSTERS, compare
 
 
+@pytest.mark.slow  # the harness's knob: `hapsynth bench hetero` exercises it end to end
 def test_work_repeat_keeps_values_and_really_runs():
     """Device i runs each segment counts[i] times (a runtime count): the results are
     unchanged, and the repeats are not eliminated by XLA: perturbing their operands

@@ -74,7 +74,7 @@ def test_more_clusters(model, cluster):
         assert any(0 in u for u in plan.shard_units.values())
 
 
-@pytest.mark.parametrize("gspmd", [True, False])
+@pytest.mark.parametrize("gspmd", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_even_plan_lowers_to_jit_with_named_shardings(gspmd):
     """Even shards everywhere: plain jit + NamedSharding (no branches); the shard_map
     lowering of the same plan gives the same results."""
@@ -95,7 +95,7 @@ def test_even_plan_lowers_to_jit_with_named_shardings(gspmd):
         compare(hs.gather(got), want)
 
 
-@pytest.mark.parametrize("model", ["gpt", "vgg"])
+@pytest.mark.parametrize("model", [pytest.param("gpt", marks=pytest.mark.slow), "vgg"])
 def test_shard_map_program_keeps_fast_kernels(model):
     """Uneven data parallelism (branches): the step's forward and backward stay in one
     segment (the loss's all-reduce does not split them, so activations need not leave a
