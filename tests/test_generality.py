@@ -228,3 +228,31 @@ def test_a_cond_is_planned_through_both_branches_under_one_plan():
         got, want = par(*got[:2], xk), jax.jit(step)(*want[:2], xk)
         for a, b in zip(jax.tree.leaves(hs.gather(got)), jax.tree.leaves(want)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6)
+
+
+def test_block_reads_twice_in_one_loop_and_a_loop_that_never_runs():
+    """Two `dynamic_slice`s of the batch in one loop body are two slices of the view
+    (the loop region stays whole); `fori_loop(1, 1, ...)` (one microbatch: the loop never
+    runs) leaves the batch as it is. Both equal `jax.jit`."""
+    D = 16
+    loss = lambda w, x: jnp.mean(jnp.tanh(x @ w) ** 2)
+
+    def twice(w, batch):
+        def body(i, g):
+            x = jax.lax.dynamic_slice(batch, (i * 8, 0), (8, D))
+            y = jax.lax.dynamic_slice(batch, (i * 8, 0), (8, D))
+            return g + jax.grad(loss)(w, x) + jax.grad(loss)(w, 2 * y)
+        g = jax.lax.fori_loop(0, 4, body, jnp.zeros_like(w))
+        return w - 0.1 * g, jnp.sum(jnp.abs(g))
+
+    def never(w, batch):
+        g0 = jax.grad(loss)(w, batch[:8])
+        g = jax.lax.fori_loop(1, 1, lambda i, g: g + jax.grad(loss)(
+            w, jax.lax.dynamic_slice(batch, (i * 8, 0), (8, D))), g0)
+        return w - 0.1 * g, jnp.sum(jnp.abs(g))
+
+    w, batch = _weights_and_batch(D)
+    for step, view in ((twice, ((4, 8, D), 1)), (never, None)):
+        par = hs.parallelize(step, cluster="cpu-2-6", time_limit=1)
+        assert (par.lowered(w, batch).prog.input_views or (None, None))[1] == view
+        _assert_steps_equal_jit(par, step, w, batch, steps=2)

@@ -85,3 +85,8 @@ def test_schedule_picture_has_a_row_per_stage_and_a_bar_per_slot():
     assert [t.get_text() for t in ax.get_yticklabels()] == ["stage 0", "stage 1"]
     widths = sorted(round(r.get_width(), 9) for c in ax.containers for r in c)
     assert widths == sorted(round(s.end - s.start, 9) for s in sched.slots)
+
+
+def test_the_memory_cap_holds_even_below_plain_1f1b():
+    sched = schedule("hetero-1f1b", [1.0] * 4, [2.0] * 4, 6, memory_cap=[1, 1, 1, 1])
+    assert max(sched.in_flight) <= 1 and max(sched.depths) <= 1

@@ -129,3 +129,24 @@ def test_progress_goes_through_the_phases_in_order_and_is_quiet_when_asked(monke
     with progress.reporting(verbose=True):
         assert progress._reporter.get() is not None
     assert list(progress.track(range(3), "x", verbose=False)) == [0, 1, 2]
+
+
+def test_timeline_ends_at_evaluate_s_step_with_collectives_read_only_by_the_tail():
+    """A gradient sync made in the tail and an output's all-reduce placed after it: the
+    sync is ready when evaluate says (main compute and inline collectives up to its op)."""
+    from types import SimpleNamespace as NS
+
+    from hapsynth.ir.layout import P, R
+    from hapsynth.synth.pricing import Edge, Tables
+    from hapsynth.synth.timeline import timeline
+    from hapsynth.synth.timing import evaluate
+
+    seconds = {0: 5.0, 1: 1.0, 2: 1.0}
+    strat = NS(choices=tuple((i, None) for i in range(3)))
+    st = NS(strategies=((strat,),), graph=NS(ops=[NS(id=i) for i in range(3)]), tail_start=1)
+    pricer = NS(class_times=lambda op, ch: (seconds[op.id],))
+    out = Edge(0, 10, R, (P,), {-1: frozenset({0})}, {P: ("all_reduce", None, 2.0)}, False, 3)
+    sync = Edge(0, 11, R, (P,), {0: frozenset({0})}, {P: ("all_reduce", None, 4.0)}, True, 1)
+    tables = Tables(st, pricer, ((5.0,),), ((2.0,),), (({0: 5.0},),), (out, sync), 0.1)
+    spans = timeline(tables, [0], ("a",))
+    assert max(s.end for s in spans) == pytest.approx(evaluate(tables, [0]).step)

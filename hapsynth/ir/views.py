@@ -97,19 +97,23 @@ def _fold_blocks(prog: Program, pos: int) -> Program | None:
     avals = list(prog.avals)
     view = len(avals)
     avals.append(Aval((shape[0] // m, m, *shape[1:]), prog.avals[t].dtype))
-    at_start: dict[int, list[Eqn]] = {}  # a loop's first eqn -> eqns to put before it
+    # a loop's first eqn -> (slices of the view made before the loop, the loop's slices)
+    at_start: dict[int, tuple[list[Eqn], list[Eqn]]] = {}
     replaced: dict[int, list[Eqn]] = {}
     for i, (_, block) in reads.items():
         e = prog.eqns[i]
         if e.loop is not None and e.name == "dynamic_slice":
-            at_start.setdefault(loops[e.loop].start, []).extend(
-                _loop_blocks(e, block, view, avals, loops[e.loop]))
+            before, inside = at_start.setdefault(loops[e.loop].start, ([], []))
+            take, each = _loop_blocks(e, block, view, avals, loops[e.loop])
+            before.append(take)
+            inside.append(each)
             replaced[i] = []
         else:
             replaced[i] = _static_block(e, block, view, avals)
     eqns: list[Eqn] = []
     for i, e in enumerate(prog.eqns):
-        eqns.extend(at_start.get(i, ()))
+        for part in at_start.get(i, ()):
+            eqns.extend(part)
         eqns.extend(replaced.get(i, [e]))
     inputs, views = list(prog.inputs), list(prog.input_views or [None] * len(prog.inputs))
     inputs[pos], views[pos] = view, (avals[view].shape, 1)
@@ -141,7 +145,7 @@ def _block_read(prog: Program, e: Eqn, t: int, loops) -> tuple[int, int] | None:
         return None
     m = sizes[0]
     starts = _per_iteration(prog, e.inputs[1], loop)
-    if starts is None or any(s % m for s in starts):
+    if not starts or any(s % m for s in starts):
         return None
     blocks = [s // m for s in starts]
     if blocks != list(range(blocks[0], blocks[0] + loop.length)) or blocks[0] < 0 or (
@@ -159,17 +163,19 @@ def _per_iteration(prog: Program, x, loop) -> list[int] | None:
         c = prog.eqns[i]
         init, out = c.inputs
         step = prog.eqns[made[out]] if out in made else None
-        if (isinstance(init, Const) and not init.aval.shape and step is not None
-                and step.name == "add" and c.outputs[0] in step.inputs
+        dtype = np.dtype(prog.avals[c.outputs[0]].dtype)
+        if (isinstance(init, Const) and not init.aval.shape and dtype.kind in "iu"
+                and step is not None and step.name == "add" and c.outputs[0] in step.inputs
                 and any(isinstance(y, Const) and int(np.asarray(y.value)) == 1
                         for y in step.inputs)):
-            counter = (c.outputs[0], int(np.asarray(init.value)))
+            counter = (c.outputs[0], int(np.asarray(init.value)), dtype)
             break
     if counter is None:
         return None
     values = []
     for k in range(loop.length):
-        v = _scalar(prog, x, made, {counter[0]: np.int32(counter[1] + k)}, depth=12)
+        i = np.asarray(counter[1] + k, counter[2])
+        v = _scalar(prog, x, made, {counter[0]: i}, depth=12)
         if v is None:
             return None
         values.append(int(v))

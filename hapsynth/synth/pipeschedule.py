@@ -117,14 +117,16 @@ def _adaptive(times, micros: int, memory_cap) -> PipeSchedule:
     cap = [micros if memory_cap is None else max(1, min(micros, int(memory_cap[s])))
            for s in range(S)]
     choices = [sorted({min(c, b + k) for k in range(3)}) for b, c in zip(base, cap)]
-    best = _run("hetero-1f1b", times, micros, orders=[_one_f_one_b(S, s, micros)
-                                                       for s in range(S)])  # never worse
-    best = PipeSchedule(best.kind, S, micros, best.slots, best.makespan, best.in_flight,
-                        tuple(base))
+    best = None
+    if all(b <= c for b, c in zip(base, cap)):  # plain 1F1B fits: never do worse than it
+        plain = _run("hetero-1f1b", times, micros,
+                     orders=[_one_f_one_b(S, s, micros) for s in range(S)])
+        best = PipeSchedule(plain.kind, S, micros, plain.slots, plain.makespan, plain.in_flight,
+                            tuple(base))
     for depths in product(*choices) if _count(choices) <= 729 else [tuple(
             min(c, b + 2) for b, c in zip(base, cap))]:
         run = _run("hetero-1f1b", times, micros, depths=depths)
-        if run.makespan < best.makespan * (1 - 1e-12):
+        if best is None or run.makespan < best.makespan * (1 - 1e-12):
             best = run
     return best
 

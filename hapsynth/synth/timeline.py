@@ -9,6 +9,7 @@ overlapping the main part; `wait` is the sync not hidden; then the tail (optimiz
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 SYNC = "sync"  # the lane of deferred (overlapped) collectives
@@ -56,12 +57,13 @@ def timeline(tables, assign, names) -> tuple[Span, ...]:
         if p in per_op:
             lanes.compute(per_op[p])
         ends[p] = lanes.now + lanes.pending
+    lanes.flush()
     for p in sorted(inline):  # read only by outputs or the tail: paid at the main part's end
         for e in inline[p]:
             lanes.collective(e, assign)
-    lanes.flush()
+        ends[p] = lanes.now
     main_end = lanes.now
-    free = _sync(out, deferred, assign, ends, main_end, tables.group_latency)
+    free = _sync(out, deferred, assign, _ready(ends), main_end, tables.group_latency)
     if free > main_end:
         for name in names:
             out.append(Span(name, main_end, free, "wait", "gradient sync not hidden"))
@@ -107,10 +109,23 @@ class _Lanes:
         self.now += sec
 
 
-def _sync(out, deferred, assign, ends, main_end, latency) -> float:
+def _ready(ends):
+    """When the work up to op position `pos` is done (as `timing.evaluate` sums it: main
+    compute and the inline collectives at positions up to `pos`)."""
+    known = sorted(ends)
+
+    def at(pos):
+        if pos in ends:
+            return ends[pos]
+        k = bisect.bisect_right(known, pos)
+        return ends[known[k - 1]] if k else 0.0
+    return at
+
+
+def _sync(out, deferred, assign, ready_at, main_end, latency) -> float:
     """The sync lane as `timing.evaluate` queues it (one stream, issue order, one group
     latency first); returns when it is free."""
-    events = sorted(((ends.get(e.position, main_end) if e.position >= 0 else 0.0,
+    events = sorted(((ready_at(e.position) if e.position >= 0 else 0.0,
                       e.seconds(e.layouts[assign[e.src]]), e) for e in deferred),
                     key=lambda x: (x[0], x[1]))
     if not events:
