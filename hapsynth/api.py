@@ -20,6 +20,17 @@ from hapsynth.synth.synthesize import Options, data_parallel_plan, synthesize
 STRATEGIES = ("auto", "data-parallel")
 
 
+def check_pipeline(pipeline) -> None:
+    """`pipeline="auto"` keeps SPMD until pipelines are priced (it may only pick one that
+    prices better); `True` asks for one, which is not built yet: a clear error, not a
+    silent SPMD plan."""
+    if not (pipeline == "auto" or isinstance(pipeline, bool)):
+        raise ValueError(f"pipeline must be 'auto', True or False, got {pipeline!r}")
+    if pipeline is True:
+        raise NotImplementedError("pipeline=True: pipelined plans are not built yet; "
+                                  "pipeline='auto' or False plans SPMD only")
+
+
 def inspect(train_step, *example_args) -> dict:
     """IR coverage and cost of `train_step(*example_args)`; see `hapsynth.ir.report.inspect`."""
     return _inspect(train_step, *example_args)
@@ -123,7 +134,8 @@ class Parallelized:
 
     def __init__(self, train_step, cluster: Cluster, *, donate_argnums=(), time_limit: float = 10.0,
                  seed: int = 0, workers: int = 2, strategy: str = "auto", shares=None,
-                 min_gain: float = 0.05, plan: Plan | None = None, verbose: bool | None = None):
+                 min_gain: float = 0.05, plan: Plan | None = None, verbose: bool | None = None,
+                 pipeline="auto"):
         self.train_step = train_step
         self.given_plan = plan  # a saved plan to use instead of synthesising (checked)
         self.cluster = cluster if isinstance(cluster, Cluster) else Cluster.load(cluster)
@@ -131,6 +143,7 @@ class Parallelized:
         self.verbose = verbose  # progress bar: None = when a person watches (TTY, notebook)
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        check_pipeline(pipeline)
         self.options = {"time_limit": time_limit, "seed": seed, "workers": workers,
                         "strategy": strategy, "shares": shares,
                         "min_gain": min_gain}
@@ -197,7 +210,8 @@ def parallelize(train_step=None, *, cluster, donate_argnums=(), **options):
     state fed back from the previous step) are reused by the step and deleted. `plan=` a
     saved `hs.Plan` uses it instead of synthesising; it must be for this very program.
     Other options: `time_limit`, `seed`, `workers`, `min_gain`, `strategy` ("auto" or
-    "data-parallel"), `shares` (data-parallel only), `verbose` (a progress bar while
+    "data-parallel"), `shares` (data-parallel only), `pipeline` ("auto" keeps SPMD until
+    pipelines are priced; True is not built yet and says so), `verbose` (a progress bar while
     planning: None shows it when run in a terminal or a notebook, not in CI)."""
     if train_step is None:
         return lambda fn: Parallelized(fn, cluster, donate_argnums=donate_argnums, **options)

@@ -612,3 +612,37 @@ def test_island_presets():
     sim = Cluster.simulated([("A100", 4), ("V100", 4)], devices_per_host=4,
                             islands={"a": ["A100"], "b": [1]})
     assert sim.island_of(0) == 0 and sim.island_of(7) == 1
+
+
+def test_islands_per_class_as_the_design_writes_them():
+    """`island = "a"` in a [[class]] table; a class without one is in island "0"; hosts of
+    two islands are never shared; written back in the same short form."""
+    text = """
+[[class]]
+type = "A100"
+hosts = 1
+devices_per_host = 8
+island = "a"
+[[class]]
+type = "V100"
+hosts = 1
+devices_per_host = 8
+island = "b"
+[[class]]
+type = "T4"
+count = 4
+[links.inter_island]
+bandwidth = "10Gbps"
+latency = "50us"
+"""
+    c = Cluster.from_toml(text)
+    assert [(i.name, i.hosts) for i in c.islands] == [("a", (0,)), ("b", (1,)), ("0", (2,))]
+    assert c.link_between(0, 8) == c.inter_island and c.inter_island.alpha == 50e-6
+    assert 'island = "b"' in c.to_toml() and "[[island]]" not in c.to_toml()
+    assert Cluster.from_toml(c.to_toml()) == c
+    shared = text.replace('type = "V100"\nhosts = 1\ndevices_per_host = 8',
+                          'type = "V100"\ncount = 8\nhost = 0')
+    with pytest.raises(ClusterError, match="host 0 holds classes of different islands"):
+        Cluster.from_toml(shared)
+    with pytest.raises(ClusterError, match="per class .* or as \\[\\[island\\]\\] tables"):
+        Cluster.from_toml(text + '[[island]]\nname = "x"\nhost_ids = [0, 1, 2]\n')

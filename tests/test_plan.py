@@ -170,3 +170,17 @@ def test_donated_state_is_reused_and_deleted(cluster):
     keep(out[0], out[1], batch)
     assert not any(v.data.is_deleted() for v in jax.tree.leaves(
         out[:2], is_leaf=lambda v: isinstance(v, hs.Sharded)))
+
+
+def test_pipeline_option_of_the_contract(gpt_plan):
+    """`pipeline="auto"` (the default) and False plan SPMD: `plan.stages == []`; True is
+    not built yet and says so; anything else names the accepted values."""
+    step, args = get("mlp", "tiny")
+    for choice in ("auto", False):
+        plan = hs.parallelize(step, cluster=CPU26, time_limit=1, pipeline=choice).plan(*args)
+        assert plan.stages == [] and "SPMD" not in plan.baselines
+    with pytest.raises(NotImplementedError, match="pipeline=True"):
+        hs.parallelize(step, cluster=CPU26, pipeline=True)
+    with pytest.raises(ValueError, match="pipeline must be 'auto', True or False"):
+        hs.parallelize(step, cluster=CPU26, pipeline="yes")
+    assert gpt_plan.stages == [] and hs.Plan.from_json(gpt_plan.to_json()).stages == []

@@ -340,7 +340,7 @@ def _check_islands(islands: Any, classes) -> tuple[Island, ...]:
     missing = sorted(hosts - set(seen))
     if missing:
         raise fail("island", f"hosts {missing} are in no island; every host must be in one")
-    return islands
+    return tuple(sorted(islands, key=lambda i: i.hosts[0]))  # in host order: one spelling
 
 
 def _links_arg(links: Any) -> dict[str, Any]:

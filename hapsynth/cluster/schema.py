@@ -25,10 +25,12 @@
     bandwidth = "10.4Gbps"
     latency = "20us"
 
-    [[island]]                     # optional: groups of hosts on fast links, joined by
-    name = "v100-rack"             #   [links.inter_island] (default: as inter_host);
-    classes = ["v100"]             #   the hosts of these classes, or host_ids = [0, 1];
-                                   #   declared, every host is in exactly one island
+    # islands (optional): hosts on fast links, joined by [links.inter_island] (default:
+    # as inter_host). Per class, `island = "a"` in its [[class]] table (a class without
+    # one is in island "0"; islands never share a host), or as tables:
+    # [[island]]
+    # name = "v100-rack"
+    # classes = ["v100"]           # the hosts of these classes, or host_ids = [0, 1]
     [links.inter_island]
     bandwidth = "10Gbps"
     latency = "30us"
@@ -62,7 +64,7 @@ __all__ = ["Parsed", "from_dict", "read_toml", "to_dict", "to_toml"]
 _TOP_KEYS = ("name", "class", "links", "island")
 _ISLAND_KEYS = ("name", "host_ids", "classes")
 _CLASS_KEYS = ("type", "name", "count", "hosts", "devices_per_host", "host", "host_ids",
-               "flops", "memory", "mem_bandwidth")
+               "flops", "memory", "mem_bandwidth", "island")
 _LINK_KEYS = ("name", "bandwidth", "latency")
 
 #: What a description holds: (name, classes, links, islands).
@@ -109,7 +111,33 @@ def from_dict(data: Any, default_name: str) -> Parsed:
             links.append(_link_from_table(links_tbl[key], key, default.name))
         else:  # an absent inter-island level is the inter-host one
             links.append(links[-1] if key == "inter_island" else default)
+    per_class = [tbl.get("island") for tbl in tables]
+    if any(k is not None for k in per_class):
+        if "island" in data:
+            raise fail("island", "give islands per class (island = ...) or as [[island]] "
+                       "tables, not both")
+        return name, tuple(classes), tuple(links), _class_islands(per_class, classes)
     return name, tuple(classes), tuple(links), _islands(data.get("island", []), classes)
+
+
+def _class_islands(names, classes: Sequence[DeviceClass]) -> tuple[Island, ...]:
+    """Islands from each class's ``island`` key (a class without one is in island "0")."""
+    hosts: dict[str, set] = {}
+    for i, (n, c) in enumerate(zip(names, classes)):
+        if n is None:
+            n = "0"
+        elif isinstance(n, bool) or not isinstance(n, (str, int)):
+            raise fail(f"class[{i}].island", f"must be an island name, got {n!r}")
+        hosts.setdefault(nonempty_str(str(n), f"class[{i}].island"), set()).update(c.hosts)
+    shared = [h for a, b in _pairs(list(hosts.values())) for h in a & b]
+    if shared:
+        raise fail("class", f"host {sorted(shared)[0]} holds classes of different islands; "
+                   "islands never share a host")
+    return tuple(Island(n, tuple(h)) for n, h in hosts.items())
+
+
+def _pairs(xs):
+    return [(a, b) for k, a in enumerate(xs) for b in xs[k + 1:]]
 
 
 def _islands(tables: Any, classes: Sequence[DeviceClass]) -> tuple[Island, ...]:
@@ -267,9 +295,30 @@ def to_dict(name: str, classes: Sequence[DeviceClass], links: Sequence[LinkLevel
         lt["latency"] = level.alpha
         link_tables[key] = lt
     out = {"name": name, "class": tables, "links": link_tables}
-    if islands:
+    by_class = _island_per_class(classes, islands)
+    if by_class is not None:
+        for t, n in zip(tables, by_class):
+            t["island"] = n
+    elif islands:
         out["island"] = [{"name": i.name, "host_ids": list(i.hosts)} for i in islands]
     return out
+
+
+def _island_per_class(classes: Sequence[DeviceClass], islands: Sequence[Island]):
+    """Each class's island name, when every island is exactly the hosts of whole classes
+    (the short form: ``island = ...`` in ``[[class]]``); else None."""
+    if not islands:
+        return None
+    names = []
+    for c in classes:
+        home = [i for i in islands if set(c.hosts) <= set(i.hosts)]
+        if not home:
+            return None
+        names.append(home[0].name)
+    for i in islands:
+        if set(i.hosts) != {h for c, n in zip(classes, names) if n == i.name for h in c.hosts}:
+            return None
+    return names
 
 
 def _placement(c: DeviceClass, next_host: int) -> dict[str, Any]:
@@ -320,7 +369,7 @@ def to_toml(name: str, classes: Sequence[DeviceClass], links: Sequence[LinkLevel
                              f"{e.mem_bandwidth / 1e9:.4g} GB/s"))
         aot.append(tbl)
     doc.add("class", aot)
-    if islands:
+    if "island" in d:
         isl = tomlkit.aot()
         for t in d["island"]:
             tbl = tomlkit.table()

@@ -3,7 +3,7 @@ exactly through JSON (layouts written as "R", "P", "S<dim>/<units>")."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from hapsynth.ir.layout import Layout
 from hapsynth.ir.signature import Signature, difference
@@ -65,6 +65,7 @@ class Plan:
     baseline_ops: dict = None         # {"DP-EV": ops sharded, "DP-CP": ops sharded}
     baseline_busy: dict = None        # {"DP-EV": {class: busy seconds}, "DP-CP": {...}}
     timeline: tuple[Span, ...] = ()   # one step per class lane and the sync lane (`timeline.py`)
+    stages: list = field(default_factory=list)  # pipeline stages; [] for an SPMD-only plan
 
     @property
     def strategies(self) -> tuple[str, ...]:
@@ -107,6 +108,7 @@ class Plan:
         d["conversions"] = tuple(Conversion(**{**c, "src": lay(c["src"]), "dst": lay(c["dst"])})
                                  for c in d["conversions"])
         d["timeline"] = tuple(Span(**x) for x in d.get("timeline", ()))
+        d["stages"] = list(d.get("stages", []))
         d["shard_units"] = {int(k): tuple(v) for k, v in d["shard_units"].items()}
         d["signature"] = Signature(**{k: v if k == "digest" else tuple(v)
                                       for k, v in d["signature"].items()})
