@@ -172,27 +172,39 @@ class Plan:
     def explain(self) -> str:
         """Per node: its ops, the chosen strategy, the layouts it reads and makes, and each
         conversion of a tensor it makes (collective, form, predicted seconds)."""
+        out = [f"plan on {self.cluster} ({self.chosen}), predicted step "
+               f"{self.predicted_step_time:.4g} s; per node:"]
+        for k, (n, parts) in enumerate(zip(self.nodes, self.node_texts())):
+            out.append(f"node {k} [{n.kind}] {n.strategy}")
+            out.append(f"  ops: {parts['ops']}")
+            if parts["in"]:
+                out.append("  in:  " + parts["in"])
+            if parts["out"]:
+                out.append("  out: " + parts["out"])
+            out += [f"  {c}" for c in parts["conversions"]]
+        return "\n".join(out)
+
+    def node_texts(self) -> list[dict]:
+        """Per node, what `explain()` says of it: "ops", "in", "out" (text) and
+        "conversions" (a line per conversion of a tensor it makes)."""
         prims = self.signature.ops
         by_node: dict[int, list[Conversion]] = {}
         for c in self.conversions:
             by_node.setdefault(c.node, []).append(c)
-        out = [f"plan on {self.cluster} ({self.chosen}), predicted step "
-               f"{self.predicted_step_time:.4g} s; per node:"]
+        out = []
         for k, n in enumerate(self.nodes):
-            ops = _ops_text(n.ops, prims)
-            out.append(f"node {k} [{n.kind}] {n.strategy}")
-            out.append(f"  ops: {ops}")
-            if n.inputs:
-                out.append("  in:  " + _edges_text(n.inputs))
-            if n.outputs:
-                out.append("  out: " + _edges_text(n.outputs))
+            convs = []
             for c in by_node.get(k, ()):
                 when = "overlapped" if c.deferred else "inline"
                 if c.repeat > 1:
                     when += f", x{c.repeat} iterations"
-                out.append(f"  t{c.tensor} {c.src} -> {c.dst}: {c.collective} {c.form or ''} "
-                           f"{c.nbytes / 2**20:.3g} MiB, {c.seconds * 1e3:.4g} ms ({when})")
-        return "\n".join(out)
+                convs.append(f"t{c.tensor} {c.src} -> {c.dst}: {c.collective} {c.form or ''} "
+                             f"{c.nbytes / 2**20:.3g} MiB, {c.seconds * 1e3:.4g} ms ({when})")
+            out.append({"ops": _ops_text(n.ops, prims),
+                        "in": _edges_text(n.inputs) if n.inputs else "",
+                        "out": _edges_text(n.outputs) if n.outputs else "",
+                        "conversions": convs})
+        return out
 
     def _repr_html_(self) -> str:
         from hapsynth.view.html import plan_html

@@ -152,34 +152,13 @@ def _plan_unsupported(plan) -> str:
 
 
 def _plan_nodes(plan) -> str:
-    """One <details> holding a row per node, its cells taken from `plan.explain()`."""
-    blocks = _explain_blocks(plan.explain())
-    rows = []
-    for k, n in enumerate(plan.nodes):
-        b = blocks[k] if k < len(blocks) else {}
-        rows.append((str(k), n.kind, n.strategy, b.get("ops", ""), b.get("in", ""),
-                     b.get("out", ""), b.get("conversions", [])))
+    """One <details> holding a row per node, its cells as `plan.explain()` words them."""
+    rows = [(str(k), n.kind, n.strategy, t["ops"], t["in"], t["out"], t["conversions"])
+            for k, (n, t) in enumerate(zip(plan.nodes, plan.node_texts()))]
     table = _table("hapsynth-plan hapsynth-plan-nodes", "per node",
                    ("node", "kind", "strategy", "ops", "in", "out", "conversions"), rows)
     summary = f"per-node explanation ({len(plan.nodes)} nodes)"
     return f"<details><summary>{escape(summary)}</summary>{table}</details>"
-
-
-def _explain_blocks(text: str) -> list[dict]:
-    """`explain()`'s lines grouped per node: ops, in, out and the conversion lines."""
-    blocks: list[dict] = []
-    for line in text.splitlines()[1:]:
-        if line.startswith("node "):
-            blocks.append({"conversions": []})
-            continue
-        if not blocks:
-            continue
-        key, _, rest = line.strip().partition(":")
-        if key in ("ops", "in", "out") and line.startswith(f"  {key}:"):
-            blocks[-1][key] = rest.strip()
-        else:
-            blocks[-1]["conversions"].append(line.strip())
-    return blocks
 
 
 # ---- cluster
