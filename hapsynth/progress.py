@@ -27,10 +27,12 @@ def _progress(transient: bool):
     from rich.progress import (BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn,
                                TimeRemainingColumn)
 
+    # refreshed only when it advances, from the caller's thread: in a notebook a refresh
+    # thread would race the cell's prints into the bar's output widget
     return Progress(SpinnerColumn(), TextColumn("[bold]hapsynth[/] {task.description}"),
                     BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
                     TimeRemainingColumn(), console=Console(stderr=True), transient=transient,
-                    redirect_stdout=False, redirect_stderr=False)  # prints pass through
+                    redirect_stdout=False, redirect_stderr=False, auto_refresh=False)
 
 
 @contextlib.contextmanager
@@ -45,13 +47,14 @@ def reporting(verbose: bool | None = None, phases=PHASES):
 
         def report(name: str) -> None:
             done = phases.index(name) if name in phases else None
-            bar.update(task, description=name, **({} if done is None else {"completed": done}))
+            bar.update(task, description=name, refresh=True,
+                       **({} if done is None else {"completed": done}))
 
         token = _reporter.set(report)
         try:
             yield
         finally:
-            bar.update(task, completed=len(phases), description="done")
+            bar.update(task, completed=len(phases), description="done", refresh=True)
             _reporter.reset(token)
 
 
@@ -70,6 +73,8 @@ def track(items, description: str, total: int | None = None, verbose: bool | Non
         return
     with _progress(transient=False) as bar:
         task = bar.add_task(description, total=len(items) if total is None else total)
+        bar.refresh()
         for item in items:
             yield item
             bar.advance(task)
+            bar.refresh()
