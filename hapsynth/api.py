@@ -12,23 +12,21 @@ from hapsynth.ir import lift_program, trace
 from hapsynth.ir.signature import of_graph
 from hapsynth.ir.views import fold_batch_splits
 from hapsynth.lower.devices import local_devices
+from hapsynth.lower.pipeline import Pipelined
 from hapsynth.lower.program import Lowered
 from hapsynth.lower.values import Sharded
 from hapsynth.synth.plan import Plan
-from hapsynth.synth.synthesize import Options, data_parallel_plan, synthesize
+from hapsynth.synth.synthesize import (InfeasibleMemory, Options, data_parallel_plan, synthesize,
+                                       with_pipeline)
 
 STRATEGIES = ("auto", "data-parallel")
 
 
 def check_pipeline(pipeline) -> None:
-    """`pipeline="auto"` keeps SPMD until pipelines are priced (it may only pick one that
-    prices better); `True` asks for one, which is not built yet: a clear error, not a
-    silent SPMD plan."""
+    """`pipeline` is "auto" (a pipeline across islands only when it prices better than the
+    best SPMD-only plan), True (a pipeline, or an error saying why not) or False."""
     if not (pipeline == "auto" or isinstance(pipeline, bool)):
         raise ValueError(f"pipeline must be 'auto', True or False, got {pipeline!r}")
-    if pipeline is True:
-        raise NotImplementedError("pipeline=True: pipelined plans are not built yet; "
-                                  "pipeline='auto' or False plans SPMD only")
 
 
 def inspect(train_step, *example_args) -> dict:
@@ -96,9 +94,20 @@ def from_process_zero(text: str | None) -> str:
 
 
 def make_plan(graph, cluster, *, num_state_leaves: int, data_inputs, strategy: str = "auto",
-              shares=None, **options) -> Plan:
+              shares=None, pipeline=False, **options) -> Plan:
     """A synthesized plan (`strategy="auto"`, `options` as in `synthesize.Options`), or data
-    parallelism (`"data-parallel"`, at FLOP/s-proportional `shares` unless given)."""
+    parallelism (`"data-parallel"`, at FLOP/s-proportional `shares` unless given); with
+    `pipeline` ("auto" or True) a pipeline across islands is considered too."""
+    check_pipeline(pipeline)
+    if pipeline is not False and strategy == "auto":
+        try:
+            spmd = make_plan(graph, cluster, num_state_leaves=num_state_leaves,
+                             data_inputs=data_inputs, **options)
+        except InfeasibleMemory:
+            spmd = None
+        return with_pipeline(graph, cluster, spmd, num_state_leaves=num_state_leaves,
+                             data_inputs=data_inputs, pipeline=pipeline,
+                             min_gain=options.get("min_gain", Options.min_gain))
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if strategy == "data-parallel":
@@ -146,7 +155,7 @@ class Parallelized:
         check_pipeline(pipeline)
         self.options = {"time_limit": time_limit, "seed": seed, "workers": workers,
                         "strategy": strategy, "shares": shares,
-                        "min_gain": min_gain}
+                        "min_gain": min_gain, "pipeline": pipeline}
         self._plans: dict = {}
         self._programs: dict = {}
         self._lowered: dict = {}
@@ -181,6 +190,11 @@ class Parallelized:
         key = signature_of(args)
         if key not in self._lowered:
             plan = self.plan(*args)
+            if plan.stages:
+                self._lowered[key] = Pipelined(self._programs[key], plan,
+                                               local_devices(self.cluster),
+                                               donate=donated_leaves(args, self.donate_argnums))
+                return self._lowered[key]
             self._lowered[key] = Lowered(self._programs[key], plan, local_devices(self.cluster),
                                          donate=donated_leaves(args, self.donate_argnums))
         return self._lowered[key]
@@ -210,8 +224,9 @@ def parallelize(train_step=None, *, cluster, donate_argnums=(), **options):
     state fed back from the previous step) are reused by the step and deleted. `plan=` a
     saved `hs.Plan` uses it instead of synthesising; it must be for this very program.
     Other options: `time_limit`, `seed`, `workers`, `min_gain`, `strategy` ("auto" or
-    "data-parallel"), `shares` (data-parallel only), `pipeline` ("auto" keeps SPMD until
-    pipelines are priced; True is not built yet and says so), `verbose` (a progress bar while
+    "data-parallel"), `shares` (data-parallel only), `pipeline` ("auto": a pipeline across
+    the cluster's islands when it prices faster than the best SPMD-only plan; True: a
+    pipeline; False: SPMD only), `verbose` (a progress bar while
     planning: None shows it when run in a terminal or a notebook, not in CI)."""
     if train_step is None:
         return lambda fn: Parallelized(fn, cluster, donate_argnums=donate_argnums, **options)

@@ -24,14 +24,14 @@ def names() -> list[str]:
 
 def get(name: str, config: str = "tiny", *, devices: int = 8, abstract: bool | None = None):
     """Return ``(train_step, (params, opt_state, batch))`` for zoo entry ``name`` at size ``config``.
-    ``abstract=None`` means abstract for "paper" only. Deterministic: model from ``nnx.Rngs(0)``,
+    ``abstract=None`` means abstract for "paper" and "medium". Deterministic: model from ``nnx.Rngs(0)``,
     batch from ``jax.random.key(1)``."""
     if name not in ZOO:
         raise ValueError(f"unknown model {name!r}; valid names: {names()}")
     if config not in CONFIG_NAMES:
         raise ValueError(f"unknown config {config!r}; valid configs: {list(CONFIG_NAMES)}")
     if abstract is None:
-        abstract = config == "paper"
+        abstract = config in ("paper", "medium")
     return ZOO[name].build(config, devices=devices, abstract=bool(abstract))
 
 

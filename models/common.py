@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-CONFIG_NAMES = ("tiny", "small", "paper")
+CONFIG_NAMES = ("tiny", "small", "paper", "medium")  # "medium": GPT-2-medium (gpt only)
 EMBED_INIT = nnx.initializers.normal(0.02)
 
 

@@ -1,5 +1,6 @@
 """GPT-style causal decoder: pre-LN blocks with causal attention, tied input/output embeddings
-(logits = h · Eᵀ), next-token loss; global-norm clipping (1.0) + AdamW. "paper": 12×768, vocab 50257."""
+(logits = h · Eᵀ), next-token loss; global-norm clipping (1.0) + AdamW. "paper": 12×768, vocab 50257;
+"medium": GPT-2-medium, 24×1024, sequence 1024, batch 64."""
 from __future__ import annotations
 
 import dataclasses
@@ -29,6 +30,10 @@ CONFIGS = {
     "tiny": Config(layers=2, d=64, heads=4, ffn=128, seq=16, vocab=64, batch=16),
     "small": Config(layers=4, d=128, heads=4, ffn=512, seq=64, vocab=512, batch=32),
     "paper": Config(layers=12, d=768, heads=12, ffn=3072, seq=128, vocab=50257, batch=32 * 8, lr=1e-4),
+    # GPT-2-medium (~355M parameters) at sequence 1024 and global batch 64, whatever the
+    # devices: the size where HARP (EuroSys '26) pipelines across islands
+    "medium": Config(layers=24, d=1024, heads=16, ffn=4096, seq=1024, vocab=50257, batch=64,
+                     lr=1e-4),
 }
 
 

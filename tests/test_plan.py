@@ -11,6 +11,7 @@ import pytest
 import hapsynth as hs
 from hapsynth.cli import main as cli_main
 from hapsynth.models import get
+from hapsynth.synth.stages import NotPipelineable
 
 CPU26 = hs.Cluster.load("cpu-2-6")
 
@@ -173,14 +174,14 @@ def test_donated_state_is_reused_and_deleted(cluster):
 
 
 def test_pipeline_option_of_the_contract(gpt_plan):
-    """`pipeline="auto"` (the default) and False plan SPMD: `plan.stages == []`; True is
-    not built yet and says so; anything else names the accepted values."""
+    """On one island `pipeline="auto"` (the default) and False plan SPMD: `plan.stages ==
+    []`; True says why there is no pipeline; anything else names the accepted values."""
     step, args = get("mlp", "tiny")
     for choice in ("auto", False):
         plan = hs.parallelize(step, cluster=CPU26, time_limit=1, pipeline=choice).plan(*args)
         assert plan.stages == [] and "SPMD" not in plan.baselines
-    with pytest.raises(NotImplementedError, match="pipeline=True"):
-        hs.parallelize(step, cluster=CPU26, pipeline=True)
+    with pytest.raises(NotPipelineable, match="pipeline=True: cluster 'cpu-2-6' has one island"):
+        hs.parallelize(step, cluster=CPU26, pipeline=True, time_limit=1).plan(*args)
     with pytest.raises(ValueError, match="pipeline must be 'auto', True or False"):
         hs.parallelize(step, cluster=CPU26, pipeline="yes")
     assert gpt_plan.stages == [] and hs.Plan.from_json(gpt_plan.to_json()).stages == []

@@ -64,6 +64,28 @@ class Sharded:
         return f"Sharded({self.layout}, shape={self.shape})"
 
 
+class Staged:
+    """A state leaf stored in a pipeline's per-stage buffers (what a pipelined step
+    returns); `hs.gather` gives the array."""
+
+    def __init__(self, buffers, stage: int, dtype_key: str, offset: int, shape, dtype, owner):
+        self.buffers, self.stage, self.key, self.offset = buffers, stage, dtype_key, offset
+        self.shape, self.dtype, self.owner = tuple(shape), np.dtype(dtype), owner
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def value(self):
+        row = np.asarray(_addressable(self.buffers[self.key]))[self.stage]
+        size = int(np.prod(self.shape, dtype=np.int64))
+        return jnp.asarray(row[self.offset:self.offset + size].reshape(self.shape))
+
+    def __repr__(self):
+        return f"Staged(stage {self.stage}, shape={self.shape})"
+
+
+
 def spec(layout: Layout, ndim: int) -> PS:
     if layout.kind == "R":
         return PS()
@@ -149,6 +171,10 @@ def unshard(value: Sharded):
 
 
 def gather(tree):
-    """Replace every `Sharded` leaf by the plain array it stands for (on every process)."""
-    return jax.tree.map(lambda v: unshard(v) if isinstance(v, Sharded) else _addressable(v), tree,
-                        is_leaf=lambda v: isinstance(v, Sharded))
+    """Replace every `Sharded` or `Staged` leaf by the plain array it stands for (on every
+    process)."""
+    def one(v):
+        if isinstance(v, Sharded):
+            return unshard(v)
+        return v.value() if isinstance(v, Staged) else _addressable(v)
+    return jax.tree.map(one, tree, is_leaf=lambda v: isinstance(v, (Sharded, Staged)))

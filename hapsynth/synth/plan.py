@@ -66,6 +66,7 @@ class Plan:
     baseline_busy: dict = None        # {"DP-EV": {class: busy seconds}, "DP-CP": {...}}
     timeline: tuple[Span, ...] = ()   # one step per class lane and the sync lane (`timeline.py`)
     stages: list = field(default_factory=list)  # pipeline stages; [] for an SPMD-only plan
+    pipeline: dict = None             # a pipeline's microbatches, cuts and schedule table
 
     @property
     def strategies(self) -> tuple[str, ...]:
@@ -121,6 +122,34 @@ class Plan:
         return {k: v / self.predicted_step_time for k, v in self.baselines.items()
                 if k != "ideal"}
 
+    def schedule(self):
+        """A pipeline plan's schedule as a `PipeSchedule` (slots, table, plot); None for SPMD."""
+        if not self.stages:
+            return None
+        from hapsynth.synth.pipeschedule import PipeSchedule, Slot
+        p = self.pipeline
+        slots = tuple(Slot(int(a), int(m), ph, float(x), float(y)) for a, m, ph, x, y in p["slots"])
+        return PipeSchedule(p["schedule"], len(self.stages), int(p["micros"]), slots,
+                            float(p["makespan"]), tuple(s["in_flight"] for s in self.stages))
+
+    def stage_lines(self) -> list[str]:
+        """A pipeline plan's stages and schedule, a line each (what `summary` prints)."""
+        if not self.stages:
+            return []
+        p = self.pipeline
+        kinds = ", ".join(f"{k} {v:.4g} s" for k, v in p["by_kind"].items())
+        spmd = self.baselines.get("SPMD")
+        vs = ("" if spmd is None or spmd != spmd else
+              f"; SPMD-only {spmd:.4g} s ({spmd / self.predicted_step_time:.2f}x)")
+        out = [f"  pipeline:    {len(self.stages)} stages, {p['micros']} microbatches, "
+               f"{p['schedule']} (bubble {p['bubble']:.0%}; {kinds}){vs}"]
+        for k, st in enumerate(self.stages):
+            out.append(f"  stage {k} {st['island']}: from op {st['from_rank']}, rows {st['rows']}, "
+                       f"forward {st['forward'] * 1e3:.4g} ms, backward {st['backward'] * 1e3:.4g} ms "
+                       f"per microbatch, tail {st['tail'] * 1e3:.4g} ms, "
+                       f"{st['memory'] / 2**30:.2f} GiB, {st['in_flight']} in flight")
+        return out
+
     def collectives(self) -> dict:
         """{(collective, form): (count, seconds)} over all conversions."""
         out: dict = {}
@@ -155,6 +184,9 @@ class Plan:
                      "not apply)"))
         lines.append(f"  ideal:       {base['ideal']:.4g} s (the plan is at "
                      f"{base['ideal'] / self.predicted_step_time:.0%} of the limit)")
+        lines += self.stage_lines()
+        if self.solver.get("pipeline") and not self.stages:
+            lines.append(f"  pipeline:    not chosen: {self.solver['pipeline']}")
         sharded = sum(1 for f in self.op_factors if f >= 0)
         lines.append(f"  ops:         {sharded} of {len(self.op_factors)} sharded")
         for (coll, form), (n, s) in sorted(self.collectives().items(), key=lambda kv: -kv[1][1]):
@@ -212,8 +244,11 @@ class Plan:
 
     # -- pictures (the `[plot]` extra: matplotlib) ---------------------------------
     def plot_timeline(self, ax=None):
-        """One step as a Gantt chart per device class; returns the matplotlib Figure."""
-        from hapsynth.view.plots import plot_timeline
+        """One step as a Gantt chart per device class (a pipeline: per stage, its
+        microbatches' forward and backward); returns the matplotlib Figure."""
+        from hapsynth.view.plots import plot_schedule, plot_timeline
+        if self.stages:
+            return plot_schedule(self.schedule(), ax=ax)
         return plot_timeline(self, ax=ax)
 
     def plot_balance(self, ax=None):

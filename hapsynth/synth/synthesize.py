@@ -245,3 +245,54 @@ def data_parallel_plan(graph: Graph, cluster: Cluster, *, num_state_leaves: int,
 def _number(x):
     """A finite float, or None (CP-SAT reports NaN when it found nothing)."""
     return None if x is None or x is False or x != x else float(x)
+
+
+def with_pipeline(graph: Graph, cluster: Cluster, spmd: Plan | None, *, num_state_leaves: int,
+                  data_inputs, pipeline, min_gain: float = 0.05) -> Plan:
+    """`pipeline="auto"`: a pipeline across the cluster's islands when it prices `min_gain`
+    faster than `spmd` (the best SPMD-only plan; None when none fits) and fits (a pipeline
+    is the more complex program, as data parallelism is kept over a plan barely faster); `True`: the
+    pipeline whatever it prices (an error saying why when there is none). The plan's
+    `baselines["SPMD"]` is the SPMD-only time; `solver["pipeline"]` says what was decided."""
+    from dataclasses import replace
+
+    from hapsynth.synth.pipeline import as_plan, plan_pipeline
+    from hapsynth.synth.stages import NotPipelineable, analyse
+
+    def keep(why: str) -> Plan:
+        if pipeline is True:
+            raise NotPipelineable(f"pipeline=True: {why}")
+        if spmd is None:
+            raise InfeasibleMemory(f"no SPMD-only plan fits, and no pipeline: {why}")
+        return replace(spmd, baselines={**spmd.baselines, "SPMD": spmd.predicted_step_time},
+                       solver={**spmd.solver, "pipeline": why})
+
+    if cluster.num_islands < 2 and pipeline is not True:
+        return spmd  # no pipeline is considered on one island
+    if cluster.num_islands < 2:
+        return keep(f"cluster {cluster.name!r} has one island (declare islands to pipeline "
+                    "across them)")
+    if graph.batch_dims:
+        return keep("the batch is read in microbatch views (a loop over slices)")
+    dp = data_parallel_plan(graph, cluster, num_state_leaves=num_state_leaves,
+                            data_inputs=data_inputs)
+    try:
+        regions = analyse(graph, dp.tensor_layouts, dp.op_inputs, num_state_leaves)
+    except NotPipelineable as e:
+        return keep(f"not pipelineable: {e}")
+    progress.phase("pipeline")
+    pipe = plan_pipeline(graph, cluster, regions, dp.tensor_layouts, num_state_leaves)
+    if pipe is None:
+        return keep("no stage cut: too few parameters or microbatches for the islands")
+    if not pipe.fits:
+        return keep(f"the best pipeline found does not fit memory ({pipe.step:.4g} s)")
+    if spmd is not None and pipeline is not True \
+            and pipe.step > spmd.predicted_step_time * (1 - min_gain):
+        return keep(f"SPMD prices better: {spmd.predicted_step_time:.4g} s vs the best pipeline's "
+                    f"{pipe.step:.4g} s ({pipe.kind}, {pipe.micros} microbatches)")
+    if spmd is None:
+        spmd = replace(dp, predicted_step_time=float("nan"))
+    plan = as_plan(pipe, dp, spmd, cluster)
+    return replace(plan, solver={**plan.solver, "pipeline": (
+        f"pipelined: {pipe.step:.4g} s ({pipe.kind}, {pipe.micros} microbatches) vs SPMD-only "
+        f"{spmd.predicted_step_time:.4g} s")})

@@ -61,7 +61,7 @@ def _gib(x: float, digits: int) -> str:
 def plan_html(plan) -> str:
     """A `Plan` as HTML: header, per-class shares and memory, breakdown, baselines,
     collectives, unsupported primitives and a collapsible per-node explanation."""
-    parts = [_plan_header(plan), _plan_classes(plan), _plan_breakdown(plan),
+    parts = [_plan_header(plan), _plan_classes(plan), _plan_stages(plan), _plan_breakdown(plan),
              _plan_baselines(plan), _plan_collectives(plan), _plan_unsupported(plan),
              _plan_nodes(plan)]
     return _box("hapsynth-plan", parts)
@@ -93,6 +93,19 @@ def _plan_classes(plan) -> str:
     return _table("hapsynth-plan hapsynth-plan-classes", "device classes",
                   ("class", "share", "busy (s)", "idle (s)", "memory need (GiB)",
                    "capacity (GiB)"), rows)
+
+
+def _plan_stages(plan) -> str:
+    """A pipeline plan's stages (nothing for an SPMD plan)."""
+    if not plan.stages:
+        return ""
+    rows = [(str(k), st["island"], str(st["from_rank"]), " ".join(map(str, st["rows"])),
+             _s(st["forward"]), _s(st["backward"]), _s(st["tail"]), _gib(st["memory"], 2),
+             str(st["in_flight"])) for k, st in enumerate(plan.stages)]
+    return (_para(plan.stage_lines()[0].strip())
+            + _table("hapsynth-plan hapsynth-plan-stages", "pipeline stages",
+                     ("stage", "devices", "from op", "rows per microbatch", "forward (s)",
+                      "backward (s)", "tail (s)", "memory (GiB)", "in flight"), rows))
 
 
 def _opt(x, fmt) -> str:

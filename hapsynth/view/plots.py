@@ -132,12 +132,18 @@ def plot_schedule(sched, ax=None):
 
 
 def overview(plan):
-    """The timeline above the balance, in one Figure (what `hapsynth plan --png` writes)."""
-    lanes = len(_lanes(plan))
+    """The timeline (a pipeline: its schedule) above the balance, in one Figure (what
+    `hapsynth plan --png` writes)."""
+    lanes = len(plan.stages) if plan.stages else len(_lanes(plan))
     rows = len(plan.classes) * (1 + sum(k in plan.baselines for k in ("DP-EV", "DP-CP")))
     fig = _figure(figsize=(10, 2.5 + 0.5 * lanes + 0.3 * rows))
     top, bottom = fig.subplots(2, 1, height_ratios=[1 + lanes, 1 + rows])
-    plot_timeline(plan, ax=top)
+    if plan.stages:
+        plot_schedule(plan.schedule(), ax=top)
+        top.set_yticks(range(len(plan.stages)),
+                       [f"{k}: {st['island']}" for k, st in enumerate(plan.stages)])
+    else:
+        plot_timeline(plan, ax=top)
     plot_balance(plan, ax=bottom)
     return fig
 

@@ -1,0 +1,705 @@
+"""`Pipelined`: a pipeline plan as one `jax.jit(shard_map(...))` over a (stage, data) mesh.
+
+The technique the design validated: each stage's state sits in one flat buffer per
+dtype and device (global `[stages, pad]`, spec `P("stage", None)`), so a device stores
+only its stage. The step is a static table of ticks (`synth.pipeline.ticks`); at each
+tick every device runs its stage's work in a `lax.switch` on its group (stage and row
+count: a stage mixing classes holds uneven rows), then values cross stages by `ppermute`
+outside the switch. A branch packs what it keeps or sends into flat buffers, padded to
+the largest branch. Per microbatch a stage runs its forward ops (or its backward ops)
+at its rows, keeps what its backward reads, and adds its partial sums (gradients,
+loss) into accumulators; after the last tick these are summed over the stage's devices
+(`psum` on "data") and the stages run their remaining ops once (the optimizer), in
+rounds where a value made on one stage is read on another (a global norm, a tied
+embedding's gradient). Ops of no stage (reading only data and constants, or only
+state) are computed where they are read.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as PS
+
+from hapsynth.ir import lift_program
+from hapsynth.ir.rules import evaluate_block, facts, local_params
+from hapsynth.ir.signature import of_program
+from hapsynth.ir.trace import Const, Program
+from hapsynth.lower import cpu
+from hapsynth.synth.plan import Plan
+from hapsynth.synth.stages import analyse, stage_of
+from hapsynth.lower.values import Sharded, Staged, unshard
+
+__all__ = ["Pipelined", "Staged"]
+
+STAGE, DATA = "stage", "data"
+
+
+class Packing:
+    """Named arrays laid end to end in one flat buffer per dtype."""
+
+    def __init__(self, items):
+        self.slots, self.sizes = {}, {}
+        for key, shape, dtype in items:
+            k = np.dtype(dtype).name
+            n = int(np.prod(shape, dtype=np.int64))
+            self.slots[key] = (k, self.sizes.get(k, 0), tuple(shape))
+            self.sizes[k] = self.sizes.get(k, 0) + n
+
+    def pack(self, values: dict, sizes: dict) -> tuple:
+        parts = {k: [] for k in sizes}
+        for key, (k, _, shape) in self.slots.items():
+            parts[k].append(jnp.ravel(values[key]).astype(k))
+        out = []
+        for k, n in sizes.items():
+            flat = jnp.concatenate(parts[k]) if parts[k] else jnp.zeros((0,), k)
+            out.append(jnp.pad(flat, (0, n - flat.shape[0])))
+        return tuple(out)
+
+    def unpack(self, bufs: tuple, order) -> dict:
+        where = dict(zip(order, bufs))
+        return {key: where[k][off:off + int(np.prod(shape, dtype=np.int64))].reshape(shape)
+                for key, (k, off, shape) in self.slots.items()}
+
+
+def _bundle(packings) -> dict:
+    """Per dtype, the largest size among `packings` (sorted by dtype name)."""
+    sizes: dict = {}
+    for p in packings:
+        for k, n in p.sizes.items():
+            sizes[k] = max(sizes.get(k, 0), n)
+    return dict(sorted(sizes.items()))
+
+
+@dataclass
+class _Ref:
+    """A bundle of traced buffers (`bufs`, dtype order `order`) and how one stage packed it."""
+    bufs: tuple
+    order: tuple
+    packing: Packing
+    chunked: bool = False   # gathered over "data": one chunk per sending device
+    sender: int = -1
+
+
+class Pipelined:
+    """A pipeline plan bound to a traced program and the cluster's devices."""
+
+    def __init__(self, prog: Program, plan: Plan, devices, *, donate=()):
+        plan.check(of_program(prog))
+        if prog.loops or prog.input_views:
+            raise NotImplementedError("a pipelined step with loop regions or microbatch views")
+        self.prog, self.plan = prog, plan
+        pipe = plan.pipeline
+        self.S, self.M = len(plan.stages), int(pipe["micros"])
+        sizes = {len(st["devices"]) for st in plan.stages}
+        if len(sizes) != 1:
+            raise NotImplementedError(
+                f"pipeline stages of unequal device counts ({[len(s['devices']) for s in plan.stages]}): "
+                "the (stage, data) mesh needs equal stages")
+        self.D = sizes.pop()
+        self.mesh = Mesh(np.array([[devices[d] for d in st["devices"]] for st in plan.stages]),
+                         (STAGE, DATA))
+        self.nstate = plan.state_leaves
+        graph = lift_program(prog)
+        self.r = analyse(graph, plan.tensor_layouts, plan.op_inputs, self.nstate)
+        cuts = pipe["cuts"]
+        self.stage = [stage_of(x, cuts) if x >= 0 else -1 for x in self.r.rank]
+        self.owner = [stage_of(x, cuts) for x in self.r.owner_rank]
+        self.rows = [tuple(st["rows"]) for st in plan.stages]
+        self.mb = self.r.batch // self.M
+        self.producer = {t: i for i, e in enumerate(prog.eqns) for t in e.outputs}
+        self.leaf = {t: i for i, t in enumerate(prog.inputs[:self.nstate])}
+        self.data = {t: i for i, t in enumerate(prog.inputs) if i >= self.nstate}
+        self.data_ops = [i for i, e in enumerate(prog.eqns) if self.r.region[i] == "data"]
+        for i in self.data_ops:
+            self.data.update((t, -1) for t in prog.eqns[i].outputs)
+        self.groups = sorted({(s, r) for s in range(self.S) for r in self.rows[s]})
+        self.group_of = np.array([[self.groups.index((s, r)) for r in self.rows[s]]
+                                  for s in range(self.S)], np.int32)
+        self._static()
+        self.state_packing = [Packing([(p, prog.avals[prog.inputs[p]].shape,
+                                        prog.avals[prog.inputs[p]].dtype)
+                                       for p in range(self.nstate) if self.owner[p] == s])
+                              for s in range(self.S)]
+        self.state_sizes = _bundle(self.state_packing)
+        self.state_order = tuple(self.state_sizes)
+        n_data = len(prog.inputs) - self.nstate
+        in_specs = (tuple(PS(STAGE, None) for _ in self.state_order)
+                    + tuple(PS() for _ in range(n_data)))
+        out_specs = (tuple(PS(STAGE, None) for _ in self.state_order)
+                     + tuple(PS() for _ in prog.outputs[self.nstate:]))
+        self._fn = jax.jit(jax.shard_map(self._body, mesh=self.mesh, in_specs=in_specs,
+                                         out_specs=out_specs, check_vma=False),
+                           donate_argnums=tuple(range(len(self.state_order))) if donate else ())
+
+    # -- the static plan of the program ------------------------------------------------
+    def _static(self):
+        r, prog = self.r, self.prog
+        n = len(prog.eqns)
+        self.core = {(s, ph): [i for i in range(n) if r.region[i] == "micro" and self.stage[i] == s
+                               and r.forward[i] == (ph == "F")]
+                     for s in range(self.S) for ph in "FB"}
+        self.post = {s: [i for i in range(n) if r.region[i] == "post" and self.stage[i] == s]
+                     for s in range(self.S)}
+        # per (stage, phase): the micro values it reads that another (stage, phase) makes
+        reads: dict = {}
+        for (s, ph), ids in self.core.items():
+            for i in ids:
+                for x in prog.eqns[i].inputs:
+                    j = self.producer.get(x) if isinstance(x, int) else None
+                    if j is None or r.region[j] != "micro" or self.stage[j] < 0:
+                        continue
+                    src = (self.stage[j], "F" if r.forward[j] else "B")
+                    if src != (s, ph):
+                        reads.setdefault((s, ph), {}).setdefault(src, set()).add(x)
+        self.reads = reads
+        # what each (stage, phase) keeps for itself (F -> B) or sends, per destination
+        self.keeps = {s: sorted(reads.get((s, "B"), {}).get((s, "F"), ())) for s in range(self.S)}
+        self.sends = {}
+        for (b, phb), srcs in reads.items():
+            for (a, pha), xs in srcs.items():
+                if a != b:
+                    self.sends.setdefault((a, pha), {}).setdefault((b, phb), set()).update(xs)
+        self.acc = {s: sorted({t for i in self.core[(s, "F")] + self.core[(s, "B")]
+                               for t in prog.eqns[i].outputs
+                               if self.plan.tensor_layouts[t].kind == "P" and self._read_later(t)})
+                    for s in range(self.S)}
+        self.acc_packing = [Packing([(t, prog.avals[t].shape, prog.avals[t].dtype)
+                                     for t in self.acc[s]]) for s in range(self.S)]
+        self.acc_sizes = _bundle(self.acc_packing)
+        # parameters a stage reads but another stores
+        needs = [set() for _ in range(self.S)]
+        for i, e in enumerate(prog.eqns):
+            s = self.stage[i]
+            if s < 0 or r.region[i] == "pre":
+                continue
+            needs[s] |= self._leaves_of(e.inputs)
+        for s, outs in enumerate(self._output_needs()):
+            needs[s] |= outs
+        self.copies = [sorted(p for p in needs[s] if self.owner[p] != s) for s in range(self.S)]
+
+    def _read_later(self, t) -> bool:
+        """Is partial sum `t` read by a post op or as an output (so it is accumulated)?"""
+        r = self.r
+        if t in self.prog.outputs:
+            return True
+        return any(r.region[i] == "post" for i, e in enumerate(self.prog.eqns) if t in e.inputs)
+
+    def _leaves_of(self, inputs) -> set:
+        out, stack, seen = set(), list(inputs), set()
+        while stack:
+            x = stack.pop()
+            if not isinstance(x, int) or x in seen:
+                continue
+            seen.add(x)
+            if x in self.leaf:
+                out.add(self.leaf[x])
+            elif x in self.producer and self.r.region[self.producer[x]] == "pre":
+                stack += list(self.prog.eqns[self.producer[x]].inputs)
+        return out
+
+    def _output_needs(self):
+        """State outputs that are a state input or made by pre ops: the owner computes them."""
+        needs = [set() for _ in range(self.S)]
+        for i, o in enumerate(self.prog.outputs[:self.nstate]):
+            if isinstance(o, int) and (o in self.leaf or o in self.producer
+                                       and self.r.region[self.producer[o]] == "pre"):
+                needs[self.owner[i]] |= self._leaves_of([o])
+        return needs
+
+    # -- local shapes -------------------------------------------------------------------
+    def _local(self, t, rows: int | None):
+        """Tensor t's shape on a device holding `rows` rows of a microbatch (None: whole)."""
+        aval = self.prog.avals[t]
+        lay = self.plan.tensor_layouts[t]
+        shape = list(aval.shape)
+        if lay.kind == "S" and rows is not None:
+            shape[lay.dim] = shape[lay.dim] * rows // self.r.batch
+        return tuple(shape)
+
+    def _padded(self, t, s):
+        return self._local(t, max(self.rows[s]))
+
+    # -- evaluation -----------------------------------------------------------------------
+    def _evaluator(self, s, rows, micro, env, resolve):
+        """A function evaluating op ids into `env`, at `rows` rows of microbatch `micro`
+        (None: once per step, whole); `resolve(x)` gives values made elsewhere."""
+        prog, plan, r = self.prog, self.plan, self.r
+        start = None
+        if micro is not None:
+            off = jnp.asarray(np.concatenate([[0], np.cumsum(self.rows[s])[:-1]]), jnp.int32)
+            start = micro * self.mb + off[lax.axis_index(DATA)]
+
+        def whole(x):
+            """Its value, made or held whole on this device (data, state, state-only ops)."""
+            if x in env:
+                return env[x]
+            j = self.producer.get(x)
+            if j is not None and (r.region[j] == "pre" or r.rank[j] < 0 and r.region[j] == "micro"):
+                run(j)
+            else:
+                env[x] = resolve(x)
+            return env[x]
+
+        def value(x, need):
+            if isinstance(x, Const):
+                return x.value
+            v = whole(x)
+            j = self.producer.get(x)
+            held = x in self.data or x in self.leaf or j is not None and r.region[j] == "pre"
+            if held and micro is not None and need is not None and need.kind == "S":
+                # the plan reads it sharded: this device's rows of this microbatch
+                scale = prog.avals[x].shape[need.dim] // r.batch
+                v = lax.dynamic_slice_in_dim(v, start * scale, rows * scale, axis=need.dim)
+            return v
+
+        def run(i):
+            eqn = prog.eqns[i]
+            vals = [value(x, n) for x, n in zip(eqn.inputs, plan.op_inputs[i])]
+            if r.region[i] == "micro" and micro is not None and plan.op_factors[i] >= 0:
+                shapes = [list(self._local(t, rows)) for t in eqn.outputs]
+                if facts(eqn.name).block:
+                    outs = evaluate_block(eqn, vals, shapes, lambda: self._starts(eqn, start))
+                else:
+                    outs = cpu.bind(eqn.primitive, vals, local_params(
+                        eqn, [np.shape(v) for v in vals], shapes))
+            else:
+                outs = cpu.bind(eqn.primitive, vals, eqn.params)
+            env.update(zip(eqn.outputs, outs))
+
+        return run
+
+    def _starts(self, eqn, start):
+        out = []
+        for t, aval in zip(eqn.outputs, eqn.out_avals):
+            lay, at = self.plan.tensor_layouts[t], [0] * len(aval.shape)
+            if lay.kind == "S":
+                at[lay.dim] = start * (aval.shape[lay.dim] // self.r.batch)
+            out.append(at)
+        return out
+
+    # -- the shard_map body ------------------------------------------------------------------
+    def _body(self, *flat):
+        prog, S = self.prog, self.S
+        ns = len(self.state_order)
+        state = tuple(b[0] for b in flat[:ns])
+        data = dict(zip(prog.inputs[self.nstate:], flat[ns:]))
+        for i in self.data_ops:  # made from the whole batch, on every device
+            eqn = prog.eqns[i]
+            vals = [x.value if isinstance(x, Const) else data[x] for x in eqn.inputs]
+            data.update(zip(eqn.outputs, cpu.bind(eqn.primitive, vals, eqn.params)))
+        sidx = lax.axis_index(STAGE)
+        didx = lax.axis_index(DATA)
+        group = jnp.asarray(self.group_of)[sidx, didx]
+
+        # 1. copies of parameters a stage reads but another stores
+        wants: dict = {}
+        for s in range(S):
+            for p in self.copies[s]:
+                wants.setdefault((self.owner[p], s), []).append(("leaf", p))
+        copies = self._send_once(
+            sidx, wants,
+            lambda s, env: self._leaf_values(s, state, {}, env), need_env=False)
+
+        def leaves_of(s):
+            own = self.state_packing[s].unpack(state, self.state_order)
+            got = {}
+            for ref in copies.get(s, []):
+                got.update(ref.packing.unpack(ref.bufs, ref.order))
+            return {**{prog.inputs[p]: v for p, v in own.items()},
+                    **{prog.inputs[k[1]]: v for k, v in got.items()}}
+
+        # 2. the ticks
+        acc = tuple(jnp.zeros((n,), k) for k, n in self.acc_sizes.items())
+        acc_order = tuple(self.acc_sizes)
+        kept: dict = {}     # (stage, micro) -> _Ref of what F kept for B
+        inbox: dict = {}    # (stage, phase, micro) -> [_Ref]
+        table = self.plan.pipeline["table"]
+        for tick in sorted({row[0] for row in table}):
+            acts = {row[1]: (row[2], row[3]) for row in table if row[0] == tick}
+            keep_p = {s: Packing([(t, self._padded(t, s), prog.avals[t].dtype)
+                                  for t in self.keeps[s]]) for s, (m, ph) in acts.items() if ph == "F"}
+            keep_sizes = _bundle(keep_p.values())
+            items: dict = {}
+            for s, (m, ph) in acts.items():
+                for (b, phb), xs in sorted(self.sends.get((s, ph), {}).items()):
+                    items.setdefault(b - s, {}).setdefault(s, []).extend(
+                        ((b, phb, x), self._padded(x, s), prog.avals[x].dtype) for x in sorted(xs))
+            send_p = {d: {s: Packing(v) for s, v in per.items()} for d, per in items.items()}
+            send_sizes = {d: _bundle(ps.values()) for d, ps in send_p.items()}
+            operands, slots = [], {}
+
+            def take(key, ref):
+                slots[key] = (len(operands), len(ref.bufs))
+                operands.extend(ref.bufs)
+
+            for s, (m, ph) in acts.items():
+                if ph == "B" and (s, m) in kept:
+                    take(("kept", s), kept[(s, m)])
+                for k, ref in enumerate(inbox.get((s, ph, m), [])):
+                    take(("in", s, k), ref)
+            base = len(operands)
+            operands += [*state, *acc, *[data[t] for t in self.data]]
+            for s, refs in copies.items():
+                for k, ref in enumerate(refs):
+                    take(("copy", s, k), ref)
+            branches = [self._tick_branch(g, acts, slots, base, keep_p, keep_sizes, send_p,
+                                          send_sizes, acc_order, copies, inbox, kept)
+                        for g in range(len(self.groups))]
+            outs = lax.switch(group, branches, *operands) if len(branches) > 1 else branches[0](*operands)
+            k = 0
+            acc = tuple(outs[k:k + len(acc_order)])
+            k += len(acc_order)
+            kept_bufs = tuple(outs[k:k + len(keep_sizes)])
+            k += len(keep_sizes)
+            for s, (m, ph) in acts.items():
+                if ph == "F" and s in keep_p:
+                    kept[(s, m)] = _Ref(kept_bufs, tuple(keep_sizes), keep_p[s])
+            for d in sorted(send_p):
+                n = len(send_sizes[d])
+                bufs = tuple(outs[k:k + n])
+                k += n
+                perm = [(s, s + d) for s in send_p[d]]
+                chunked = any(self.rows[s] != self.rows[s + d] for s in send_p[d])
+                if chunked:
+                    bufs = tuple(lax.all_gather(b, DATA) for b in bufs)
+                bufs = tuple(lax.ppermute(b, STAGE, perm) for b in bufs)
+                for s, p in send_p[d].items():
+                    m, ph = acts[s]
+                    for (b, phb) in {(key[0], key[1]) for key in p.slots}:
+                        inbox.setdefault((b, phb, m), []).append(
+                            _Ref(bufs, tuple(send_sizes[d]), p, chunked, s))
+
+        # 3. once per step: sums over the stage's devices, then the stages' remaining ops
+        acc = tuple(lax.psum(a, DATA) for a in acc)
+        return self._finish(sidx, state, acc, acc_order, data, leaves_of)
+
+    def _leaf_values(self, s, state, _, env):
+        own = self.state_packing[s].unpack(state, self.state_order)
+        return {("leaf", p): v for p, v in own.items()}
+
+    def _tick_branch(self, g, acts, slots, base, keep_p, keep_sizes, send_p, send_sizes,
+                     acc_order, copies, inbox, kept):
+        s, rows = self.groups[g]
+        prog = self.prog
+        act = acts.get(s)
+
+        def branch(*ops):
+            state = ops[base:base + len(self.state_order)]
+            acc = list(ops[base + len(self.state_order):
+                           base + len(self.state_order) + len(acc_order)])
+            dvals = dict(zip(self.data, ops[base + len(self.state_order) + len(acc_order):]))
+            outs_keep = tuple(jnp.zeros((n,), k) for k, n in keep_sizes.items())
+            outs_send = {d: tuple(jnp.zeros((n,), k) for k, n in sz.items())
+                         for d, sz in send_sizes.items()}
+            if act is None:
+                return (*acc, *outs_keep, *[b for d in sorted(outs_send) for b in outs_send[d]])
+            m, ph = act
+            env = {}
+            known = {}
+            own = self.state_packing[s].unpack(state, self.state_order)
+            known.update({prog.inputs[p]: v for p, v in own.items()})
+            for k, ref in enumerate(copies.get(s, [])):
+                a, n = slots[("copy", s, k)]
+                got = ref.packing.unpack(ops[a:a + n], ref.order)
+                known.update({prog.inputs[key[1]]: v for key, v in got.items()})
+            if ph == "B" and (s, m) in kept:
+                a, n = slots[("kept", s)]
+                ref = kept[(s, m)]
+                for t, v in ref.packing.unpack(ops[a:a + n], ref.order).items():
+                    known[t] = _trim(v, self.plan.tensor_layouts[t], self._local(t, rows))
+            for k, ref in enumerate(inbox.get((s, ph, m), [])):
+                a, n = slots[("in", s, k)]
+                known.update(self._received(ref, ops[a:a + n], s, rows))
+            known.update(dvals)
+            run = self._evaluator(s, rows, m, env, lambda x: known[x] if x in known else _missing(x, s, ph, known))
+            for i in self.core[(s, ph)]:
+                run(i)
+            for t in self.acc[s]:
+                if t in env:
+                    a = self.acc_packing[s]
+                    k, off, shape = a.slots[t]
+                    j = acc_order.index(k)
+                    size = int(np.prod(shape, dtype=np.int64))
+                    acc[j] = acc[j].at[off:off + size].add(jnp.ravel(env[t]).astype(k))
+            if ph == "F" and s in keep_p:
+                outs_keep = keep_p[s].pack({t: _pad_to(env[t], self.plan.tensor_layouts[t],
+                                                       self._padded(t, s))
+                                            for t in self.keeps[s]}, keep_sizes)
+            for d, ps in send_p.items():
+                if s in ps:
+                    outs_send[d] = ps[s].pack({key: _pad_to(env[key[2]],
+                                                            self.plan.tensor_layouts[key[2]],
+                                                            self._padded(key[2], s))
+                                               for key in ps[s].slots}, send_sizes[d])
+            return (*acc, *outs_keep, *[b for d in sorted(outs_send) for b in outs_send[d]])
+
+        return branch
+
+    def _received(self, ref, bufs, s, rows) -> dict:
+        """Values of `ref` (sent by stage `ref.sender`) as this device of stage `s` reads them."""
+        prog, plan = self.prog, self.plan
+        out = {}
+        if not ref.chunked:
+            for key, v in ref.packing.unpack(bufs, ref.order).items():
+                t = key[2]
+                out[t] = _trim(v, plan.tensor_layouts[t], self._local(t, rows))
+            return out
+        didx = lax.axis_index(DATA)
+        chunks = [ref.packing.unpack(tuple(b[j] for b in bufs), ref.order) for j in range(self.D)]
+        a = ref.sender
+        off = jnp.asarray(np.concatenate([[0], np.cumsum(self.rows[s])[:-1]]), jnp.int32)[didx]
+        for key in ref.packing.slots:
+            t = key[2]
+            lay = plan.tensor_layouts[t]
+            if lay.kind != "S":
+                out[t] = jnp.stack([c[key] for c in chunks])[didx]
+                continue
+            whole = jnp.concatenate([_trim(c[key], lay, self._local(t, self.rows[a][j]))
+                                     for j, c in enumerate(chunks)], axis=lay.dim)
+            scale = prog.avals[t].shape[lay.dim] // self.r.batch
+            out[t] = lax.dynamic_slice_in_dim(whole, off * scale, rows * scale, axis=lay.dim)
+        return out
+
+    def _send_once(self, sidx, wants, values_of, need_env=True) -> dict:
+        """Whole values sent between stages once: `wants[(src, dst)]` lists keys; the
+        sender's `values_of(src, env)` gives them. Returns dst -> [_Ref]."""
+        by_shift: dict = {}
+        for (a, b), keys in wants.items():
+            if keys:
+                by_shift.setdefault(b - a, {})[a] = (b, keys)
+        got: dict = {}
+        for d, senders in sorted(by_shift.items()):
+            packs = {a: Packing([(k, self._whole_shape(k), self._whole_dtype(k)) for k in keys])
+                     for a, (b, keys) in senders.items()}
+            sizes = _bundle(packs.values())
+
+            def branch(a, packs=packs, sizes=sizes):
+                def f():
+                    if a not in packs:
+                        return tuple(jnp.zeros((n,), k) for k, n in sizes.items())
+                    vals = values_of(a, {})
+                    return packs[a].pack(vals, sizes)
+                return f
+
+            fns = [branch(a) for a in range(self.S)]
+            bufs = lax.switch(sidx, fns)
+            bufs = tuple(lax.ppermute(b, STAGE, [(a, a + d) for a in senders]) for b in bufs)
+            for a, (b, _) in senders.items():
+                got.setdefault(b, []).append(_Ref(bufs, tuple(sizes), packs[a], sender=a))
+        return got
+
+    def _whole_shape(self, key):
+        return self.prog.avals[self.prog.inputs[key[1]] if key[0] == "leaf" else key[1]].shape
+
+    def _whole_dtype(self, key):
+        return self.prog.avals[self.prog.inputs[key[1]] if key[0] == "leaf" else key[1]].dtype
+
+    def _finish(self, sidx, state, acc, acc_order, data, leaves_of):
+        """Rounds of once-per-step ops; returns the new state buffers and the outputs."""
+        prog, S = self.prog, self.S
+        where: dict = {}   # tensor -> (stage, round) it is made in
+        for s in range(S):
+            for t in self.acc[s]:
+                where[t] = (s, 0)
+        level = {}
+        for i in sorted(i for ids in self.post.values() for i in ids):
+            s = self.stage[i]
+            if True:
+                lv = 0
+                for x in prog.eqns[i].inputs:
+                    if isinstance(x, int) and x in where:
+                        a, k = where[x]
+                        lv = max(lv, k + (a != s))
+                level[i] = lv
+                for t in prog.eqns[i].outputs:
+                    where[t] = (s, lv)
+        outs = prog.outputs
+        final = max([0] + list(level.values())) + 1
+        avail = [dict() for _ in range(S)]   # values held per stage after the rounds so far
+        for s in range(S):
+            avail[s].update(self.acc_packing[s].unpack(acc, acc_order))
+
+        def resolve_for(s):
+            known = leaves_of(s)
+            known.update(data)
+
+            def resolve(x):
+                if x in avail_now[s]:
+                    return avail_now[s][x]
+                return known[x]
+            return resolve
+
+        rounds = sorted(set(level.values()) | {final})
+        avail_now = [dict(a) for a in avail]
+        for k in rounds:
+            # values made at an earlier round on another stage, read now
+            wants: dict = {}
+            for s in range(S):
+                readers = [i for i in self.post[s] if level[i] == k]
+                for i in readers:
+                    for x in prog.eqns[i].inputs:
+                        if isinstance(x, int) and x in where and where[x][0] != s:
+                            wants.setdefault((where[x][0], s), []).append(("t", x))
+                if k == final:
+                    for p, o in enumerate(outs[:self.nstate]):
+                        if self.owner[p] == s and isinstance(o, int) and o in where \
+                                and where[o][0] != s:
+                            wants.setdefault((where[o][0], s), []).append(("t", o))
+            wants = {key: list(dict.fromkeys(v)) for key, v in wants.items()}
+            if wants:
+                snap = [dict(a) for a in avail_now]
+                got = self._send_once(sidx, wants,
+                                      lambda a, _, snap=snap: {("t", x): snap[a][x] for x in
+                                                               {key[1] for (src, _), ks in wants.items()
+                                                                if src == a for key in ks}})
+                for s, refs in got.items():
+                    for ref in refs:
+                        for key, v in ref.packing.unpack(ref.bufs, ref.order).items():
+                            avail_now[s][key[1]] = v
+            if k == final:
+                break
+            # this round's ops, per stage, in a switch: new values packed per stage
+            made = {s: [t for i in self.post[s] if level[i] == k for t in prog.eqns[i].outputs]
+                    for s in range(S)}
+            packs = [Packing([(t, prog.avals[t].shape, prog.avals[t].dtype) for t in made[s]])
+                     for s in range(S)]
+            sizes = _bundle(packs)
+
+            def branch(s, k=k, packs=packs, sizes=sizes, snap=[dict(a) for a in avail_now]):
+                def f():
+                    env = dict(snap[s])
+                    known = leaves_of(s)
+                    known.update(data)
+                    run = self._evaluator(s, None, None, env, lambda x: known[x])
+                    for i in self.post[s]:
+                        if level[i] == k:
+                            run(i)
+                    return packs[s].pack({t: env[t] for t in packs[s].slots}, sizes)
+                return f
+
+            bufs = lax.switch(sidx, [branch(s) for s in range(S)])
+            for s in range(S):
+                for t, v in packs[s].unpack(bufs, tuple(sizes)).items():
+                    avail_now[s][t] = v
+
+        def stage_state(s):
+            def f():
+                known = leaves_of(s)
+                env = dict(avail_now[s])
+                run = self._evaluator(s, None, None, env, lambda x: known[x])
+                vals = {}
+                for p, o in enumerate(outs[:self.nstate]):
+                    if self.owner[p] != s:
+                        continue
+                    if isinstance(o, Const):
+                        vals[p] = jnp.broadcast_to(jnp.asarray(o.value), o.aval.shape)
+                    elif o in env:
+                        vals[p] = env[o]
+                    elif o in known:
+                        vals[p] = known[o]
+                    else:
+                        run(self.producer[o])
+                        vals[p] = env[o]
+                return self.state_packing[s].pack(vals, self.state_sizes)
+            return f
+
+        new_state = lax.switch(sidx, [stage_state(s) for s in range(S)])
+        results = []
+        for o in outs[self.nstate:]:
+            if isinstance(o, Const):
+                results.append(jnp.asarray(o.value))
+                continue
+            a = where[o][0] if o in where else 0
+
+            def pick(s, o=o, a=a):
+                def f():
+                    if s != a:
+                        return jnp.zeros(prog.avals[o].shape, prog.avals[o].dtype)
+                    return avail_now[s][o] if o in avail_now[s] else leaves_of(s)[o]
+                return f
+            v = lax.switch(sidx, [pick(s) for s in range(S)])
+            if v.dtype == jnp.bool_:
+                results.append(lax.psum(v.astype(jnp.int32), STAGE).astype(jnp.bool_))
+            else:
+                results.append(lax.psum(v, STAGE))
+        return (*[b[None] for b in new_state], *results)
+
+    # -- running it ----------------------------------------------------------------------
+    def _pack_state(self, leaves):
+        """State leaves (arrays or `Staged` of this program) as the per-stage buffers."""
+        if all(isinstance(x, Staged) and x.owner is self for x in leaves[:self.nstate]) \
+                and leaves[:self.nstate]:
+            return tuple(leaves[0].buffers[k] for k in self.state_order)
+        rows = {k: np.zeros((self.S, n), k) for k, n in self.state_sizes.items()}
+        for s, p in enumerate(self.state_packing):
+            for key, (k, off, shape) in p.slots.items():
+                x = leaves[key]
+                x = x.value() if isinstance(x, Staged) else x
+                if isinstance(x, Sharded):
+                    x = unshard(x)
+                rows[k][s, off:off + int(np.prod(shape, dtype=np.int64))] = np.ravel(np.asarray(x))
+        sharding = NamedSharding(self.mesh, PS(STAGE, None))
+        return tuple(jax.device_put(rows[k], sharding) for k in self.state_order)
+
+    def _wrap(self, bufs) -> list:
+        out = []
+        for p in range(self.nstate):
+            k, off, shape = self.state_packing[self.owner[p]].slots[p]
+            out.append(Staged(bufs, self.owner[p], k, off, shape, k, self))
+        return out
+
+    def shard(self, *args):
+        """The arguments stored as this program reads them: state as `Staged` leaves of
+        the per-stage buffers, data on every device."""
+        leaves, tree = jax.tree.flatten(args, is_leaf=lambda v: isinstance(v, (Sharded, Staged)))
+        if len(leaves) != len(self.prog.inputs):
+            raise ValueError(f"expected {len(self.prog.inputs)} array leaves, got {len(leaves)}")
+        bufs = dict(zip(self.state_order, self._pack_state(leaves)))
+        rep = NamedSharding(self.mesh, PS())
+        data = [jax.device_put(jnp.asarray(x), rep) for x in leaves[self.nstate:]]
+        return jax.tree.unflatten(tree, self._wrap(bufs) + data)
+
+    def load(self, load, *args):
+        raise NotImplementedError("loading a pipelined step's batch by rows: give it whole "
+                                  "(every device reads its microbatches' rows from it)")
+
+    def run(self, leaves):
+        """One step on the flattened arguments; state comes back as `Staged` leaves."""
+        if len(leaves) != len(self.prog.inputs):
+            raise ValueError(f"expected {len(self.prog.inputs)} array leaves, got {len(leaves)}")
+        state = self._pack_state(leaves)
+        rep = NamedSharding(self.mesh, PS())
+        data = [jax.device_put(jnp.asarray(x), rep) for x in leaves[self.nstate:]]
+        outs = self._fn(*state, *data)
+        if self.mesh.devices.flat[0].platform == "cpu":
+            jax.block_until_ready(outs)
+        bufs = dict(zip(self.state_order, outs[:len(self.state_order)]))
+        wrapped = self._wrap(bufs) + list(outs[len(self.state_order):])
+        return jax.tree.unflatten(self.prog.out_tree, wrapped)
+
+    def __call__(self, *args):
+        return self.run(jax.tree.flatten(args, is_leaf=lambda v: isinstance(v, (Sharded, Staged)))[0])
+
+
+def _trim(v, lay, shape):
+    """A padded S value cut to `shape` (its rows on this device)."""
+    if lay.kind == "S" and v.shape[lay.dim] != shape[lay.dim]:
+        return lax.slice_in_dim(v, 0, shape[lay.dim], axis=lay.dim)
+    return v
+
+
+def _pad_to(v, lay, shape):
+    if lay.kind == "S" and v.shape[lay.dim] != shape[lay.dim]:
+        pad = [(0, 0)] * v.ndim
+        pad[lay.dim] = (0, shape[lay.dim] - v.shape[lay.dim])
+        return jnp.pad(v, pad)
+    return v
+
+
+def _missing(x, s, ph, known):
+    raise KeyError(f"t{x} on stage {s} {ph}; known {sorted(known)[:40]}")

@@ -1,0 +1,403 @@
+"""Pipelines across islands, priced: stage cuts, microbatch counts, schedules.
+
+A pipeline here is one stage per island or per equal part of one (`stage_parts`), in
+some order of the islands, each stage a contiguous range of ranks (`stages.py`), data
+parallel inside its devices at FLOP/s-proportional rows (uneven
+where the island mixes classes). Priced per microbatch: every stage's forward and
+backward at its rows; each tensor crossing a boundary over the link between the two
+islands; the schedule simulated (`pipeschedule.py`) for its bubbles. Once per step: the
+parameters a stage reads but does not store (tied embeddings) arrive first; after its
+last backward a stage all-reduces its gradients inside its island, receives the sums
+other stages made for its parameters, and runs its optimizer. Memory per device: its
+stage's state, the copies it reads, the gradient sums and the activations in flight.
+Cuts are searched where stages balance; the best (cut, order, microbatches, schedule)
+is returned with every schedule's price at that point for comparison.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hapsynth.cluster import Cluster
+from hapsynth.ir.graph import Graph
+from hapsynth.synth.collectives import all_reduce
+from hapsynth.synth.costmodel import compute_time
+from hapsynth.synth.pipeschedule import PipeSchedule, schedule
+from hapsynth.synth.plan import Plan
+from hapsynth.synth.stages import Regions, stage_of
+
+__all__ = ["Pipeline", "plan_pipeline", "rows_of", "islands_of"]
+
+SCHEDULES = ("gpipe", "1f1b", "hetero-1f1b")
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """A priced pipeline: `order[s]` the island of stage s, `cuts` the ranks where stages
+    2.. start, `micros`, `kind` (schedule), `step` seconds, per-stage details."""
+
+    order: tuple[int, ...]
+    cuts: tuple[int, ...]
+    micros: int
+    kind: str
+    step: float
+    schedule: PipeSchedule
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    tail: tuple[float, ...]          # per stage: gradient all-reduce + received sums + optimizer
+    head: float                      # parameters sent before the first microbatch
+    send: tuple[float, ...]          # per boundary, per microbatch, forward direction
+    send_back: tuple[float, ...]
+    memory: tuple[float, ...]        # per stage: bytes per device (the largest)
+    fits: bool
+    rows: tuple[tuple[int, ...], ...]  # per stage, per device: rows of each microbatch
+    by_kind: dict = field(default_factory=dict)  # schedule kind -> step at this point
+
+
+def islands_of(cluster: Cluster) -> list[tuple[int, ...]]:
+    return [cluster.island_devices(k) for k in range(cluster.num_islands)]
+
+
+def stage_parts(cluster: Cluster) -> tuple[list[tuple[int, ...]], list[int]]:
+    """The device groups a stage may hold, and the island of each: every island cut in
+    parts of as many devices as the smallest island divides them all into (the stages of
+    one program share a (stage, data) mesh, so they hold equal device counts)."""
+    islands = islands_of(cluster)
+    size = math.gcd(*[len(d) for d in islands])
+    parts, of = [], []
+    for k, devs in enumerate(islands):
+        for i in range(0, len(devs), size):
+            parts.append(tuple(devs[i:i + size]))
+            of.append(k)
+    return parts, of
+
+
+def part_name(cluster: Cluster, parts, of, k: int) -> str:
+    """"v100" for a whole island, "p100[2/3]" for the second of three parts."""
+    name = cluster.islands[of[k]].name if cluster.islands else str(of[k])
+    n = of.count(of[k])
+    return name if n == 1 else f"{name}[{of[:k].count(of[k]) + 1}/{n}]"
+
+
+def rows_of(cluster: Cluster, devices, rows: int) -> tuple[int, ...]:
+    """`rows` split over `devices` in proportion to FLOP/s (largest remainders)."""
+    w = np.array([cluster.device_class(d).flops for d in devices], float)
+    exact = rows * w / w.sum()
+    out = np.floor(exact).astype(int)
+    for i in np.argsort(-(exact - out), kind="stable")[: rows - int(out.sum())]:
+        out[i] += 1
+    return tuple(int(x) for x in out)
+
+
+class _Costs:
+    """Per op and island: seconds per microbatch of 1/M of the batch, per class."""
+
+    def __init__(self, graph: Graph, cluster: Cluster, regions: Regions, islands):
+        self.graph, self.cluster, self.regions = graph, cluster, regions
+        self.islands = islands
+        self._micro: dict = {}
+        self.share = []   # per island: per device class in it, the share of the rows
+        for devs in islands:
+            total = sum(cluster.device_class(d).flops for d in devs)
+            classes = sorted({cluster.class_of(d) for d in devs})
+            self.share.append({c: cluster.classes[c].flops / total for c in classes})
+
+    def micro(self, op, island: int) -> float:
+        """Seconds for the whole batch at the island's rows (divide by M per microbatch)."""
+        key = (op, island)
+        if key not in self._micro:
+            cost = self.graph.ops[op].cost
+            self._micro[key] = max(compute_time(_scaled(cost, f), self.cluster.classes[c])
+                                   for c, f in self.share[island].items())
+        return self._micro[key]
+
+    def whole(self, op, island: int) -> float:
+        return max(compute_time(self.graph.ops[op].cost, self.cluster.classes[c])
+                   for c in self.share[island])
+
+
+def _scaled(cost, f):
+    return type(cost)(cost.flops * f, cost.transcendentals * f, cost.bytes * f)
+
+
+def plan_pipeline(graph: Graph, cluster: Cluster, regions: Regions, layouts, num_state_leaves: int,
+                  kinds=SCHEDULES, keep: int = 6) -> Pipeline | None:
+    """The best pipeline found, or None when the cluster has one island."""
+    if cluster.num_islands < 2:
+        return None
+    islands, island_of_part = stage_parts(cluster)
+    S = len(islands)
+    costs = _Costs(graph, cluster, regions, islands)
+    micro_ops = [i for i, r in enumerate(regions.region) if r == "micro" and regions.rank[i] >= 0]
+    points = regions.cut_points()
+    if len(points) < S - 1:
+        return None
+    ranks = np.array([regions.rank[i] for i in micro_ops])
+    order_ix = np.argsort(ranks, kind="stable")
+    sorted_ranks = ranks[order_ix]
+    prefix = []
+    for k in range(S):
+        t = np.array([costs.micro(micro_ops[j], k) for j in order_ix])
+        prefix.append(np.concatenate([[0.0], np.cumsum(t)]))
+
+    combos = np.array(list(itertools.combinations(points, S - 1)), np.int64).reshape(-1, S - 1)
+    if len(combos) > 20000:  # many islands and layers: every other cut point
+        combos = combos[np.all(np.isin(combos, points[::2]), axis=1)]
+    n = len(sorted_ranks)
+    at = np.searchsorted(sorted_ranks, combos, "left")
+    bounds = np.concatenate([np.zeros((len(at), 1), np.int64), at,
+                             np.full((len(at), 1), n, np.int64)], axis=1)
+    shortlist = []
+    orders = [tuple(p for k in perm for p in range(S) if island_of_part[p] == k)
+              for perm in itertools.permutations(range(cluster.num_islands))]
+    for order in orders:
+        worst = np.max(np.stack([prefix[order[s]][bounds[:, s + 1]] - prefix[order[s]][bounds[:, s]]
+                                 for s in range(S)], axis=1), axis=1)
+        shortlist += [(order, tuple(int(c) for c in combos[k]))
+                      for k in np.argsort(worst, kind="stable")[:keep]]
+    evaluator = _Evaluator(graph, cluster, regions, num_state_leaves, costs, layouts)
+    # every cut, order and microbatch count under plain 1F1B; the best few under each schedule
+    first = []
+    for order, cuts in shortlist:
+        for M in _micro_counts(regions.batch, S, max(len(islands[k]) for k in order)):
+            p = evaluator.price(order, cuts, M, "1f1b")
+            if p is not None:
+                first.append(((not p.fits, p.step), order, cuts, M))
+    first.sort()
+    best = None
+    for _, order, cuts, M in first[:4]:
+        for kind in kinds:
+            p = evaluator.price(order, cuts, M, kind)
+            if p is not None and (best is None or (not p.fits, p.step) < (not best.fits, best.step)):
+                best = p
+    if best is None:
+        return None
+    by_kind = {k: evaluator.price(best.order, best.cuts, best.micros, k).step for k in SCHEDULES}
+    return Pipeline(**{**best.__dict__, "by_kind": by_kind})
+
+
+def _micro_counts(batch: int, S: int, devices: int) -> list[int]:
+    """Microbatch counts: divisors of the batch from S up, each microbatch giving every
+    device of a stage a row."""
+    return [m for m in range(S, min(batch, 8 * S) + 1) if batch % m == 0 and batch // m >= devices]
+
+
+class _Evaluator:
+    def __init__(self, graph, cluster, regions, num_state_leaves, costs, layouts):
+        self.g, self.cluster, self.r, self.costs = graph, cluster, regions, costs
+        self.nstate = num_state_leaves
+        self.producer = {t: op.id for op in graph.ops for t in op.outputs}
+        self.leaf = {t: i for i, t in enumerate(graph.inputs[:num_state_leaves])}
+        # the partial sums each microbatch adds to: summed in the island after the last one
+        self._scans: dict = {}
+        self.partials = {t for op in graph.ops if regions.region[op.id] == "micro"
+                         for t in op.outputs if layouts[t].kind == "P"}
+
+    def scan(self, order, cuts) -> dict:
+        """What a cut costs whatever the microbatches: per stage the whole batch's forward
+        and backward seconds, the bytes crossing, summed, kept and stored (cached)."""
+        key = (tuple(order), tuple(cuts))
+        if key in self._scans:
+            return self._scans[key]
+        g, r, costs = self.g, self.r, self.costs
+        S = len(order)
+        st = [stage_of(x, cuts) if x >= 0 else -1 for x in r.rank]
+        owner = [stage_of(x, cuts) for x in r.owner_rank]
+        fwd, bwd, whole = [0.0] * S, [0.0] * S, [0.0] * S
+        send = np.zeros((S, S, 2))       # bytes of the whole batch a -> b, forward/backward
+        once = np.zeros((S, S))          # bytes per step a -> b (parameters, sums)
+        acc, resid = [0.0] * S, [0.0] * S
+        needs: list[set] = [set() for _ in range(S)]
+        for op in g.ops:
+            i, reg, s = op.id, r.region[op.id], st[op.id]
+            if reg == "micro" and s >= 0:
+                t = costs.micro(i, order[s])
+                if r.forward[i]:
+                    fwd[s] += t
+                else:
+                    bwd[s] += t
+                acc[s] += sum(g.tensors[o].nbytes for o in op.outputs if o in self.partials)
+            elif reg == "post":
+                whole[s] += costs.whole(i, order[s])
+            if reg in ("pre", "data") or s < 0:
+                continue
+            for x in op.inputs:
+                if x is None:
+                    continue
+                if x in self.leaf:
+                    needs[s].add(self.leaf[x])
+                    continue
+                j = self.producer.get(x)
+                if j is None:
+                    continue
+                if r.region[j] == "pre":
+                    needs[s] |= self._leaves(j)
+                    continue
+                a = st[j]
+                if a < 0 or a == s:
+                    if a == s and r.forward[j] and reg == "micro" and not r.forward[i]:
+                        resid[s] += g.tensors[x].nbytes
+                    continue
+                if r.region[j] == "micro" and reg == "micro":
+                    send[a, s, 0 if r.forward[j] else 1] += g.tensors[x].nbytes
+                else:
+                    once[a, s] += g.tensors[x].nbytes
+        for s in range(S):
+            for p in needs[s]:
+                if owner[p] != s:
+                    once[owner[p], s] += g.tensors[g.inputs[p]].nbytes
+        out = dict(owner=owner, fwd=fwd, bwd=bwd, whole=whole, send=send, once=once, acc=acc,
+                   resid=resid, needs=needs)
+        self._scans[key] = out
+        return out
+
+    def price(self, order, cuts, M, kind) -> Pipeline | None:
+        r, cluster, costs = self.r, self.cluster, self.costs
+        S = len(order)
+        islands = [costs.islands[k] for k in order]
+        sc = self.scan(order, cuts)
+        owner, whole, once, acc, needs = (sc[k] for k in ("owner", "whole", "once", "acc", "needs"))
+        g = self.g
+        fwd = [x / M for x in sc["fwd"]]
+        bwd = [x / M for x in sc["bwd"]]
+        send = sc["send"] / M
+        resid = [x / M for x in sc["resid"]]
+        rows = tuple(rows_of(cluster, devs, r.batch // M) for devs in islands)
+        direct = [rows[s] == rows[s + 1] for s in range(S - 1)]
+
+        def link(a, b):
+            return cluster.link_between(islands[a][0], islands[b][0])
+
+        def seconds(a, b, nbytes, scale=1):
+            return 0.0 if nbytes <= 0 else link(a, b).alpha + scale * nbytes / link(a, b).beta
+
+        fw, bw = [], []
+        for s in range(S - 1):  # a transfer past the next stage is priced on its last hop
+            scale = 1 if direct[s] else len(islands[s])
+            fw.append(seconds(s, s + 1, sum(send[a, s + 1, 0] for a in range(s + 1)), scale))
+            bw.append(seconds(s + 1, s, sum(send[b, s, 1] for b in range(s + 1, S)), scale))
+        pre = [p for p, o in enumerate(owner) if any(p in needs[s] for s in range(S) if s != o)]
+        head = max([0.0] + [seconds(owner[p], s, g.tensors[g.inputs[p]].nbytes)
+                            for p in pre for s in range(S) if p in needs[s] and s != owner[p]])
+        cap = [min(cluster.classes[cluster.class_of(d)].memory for d in devs) for devs in islands]
+        state = [0.0] * S
+        for p, o in enumerate(owner):
+            state[o] += g.tensors[g.inputs[p]].nbytes
+        for s in range(S):
+            state[s] += sum(g.tensors[g.inputs[p]].nbytes for p in needs[s] if owner[p] != s)
+        share = [max(x / (r.batch // M) for x in rs) for rs in rows]
+        per_micro = [resid[s] * share[s] for s in range(S)]  # one microbatch's residuals, per device
+        fixed = [state[s] + acc[s] for s in range(S)]
+        memory_cap = [max(1, int((cap[s] - fixed[s]) // per_micro[s])) - 1 if per_micro[s] else M
+                      for s in range(S)]
+        try:
+            sch = schedule(kind, fwd, bwd, M, fw, bw, memory_cap=memory_cap)
+        except RuntimeError:
+            return None
+        tail = []
+        for s in range(S):
+            sync = all_reduce(cluster, acc[s], islands[s])
+            recv = sum(seconds(a, s, once[a, s]) for a in range(S) if a != s)
+            tail.append(sync + recv + whole[s])
+        last_b = [max(x.end for x in sch.slots if x.stage == s) for s in range(S)]
+        step = head + max(e + t for e, t in zip(last_b, tail))
+        memory = tuple(fixed[s] + (sch.in_flight[s] + 1) * per_micro[s] for s in range(S))
+        fits = all(m <= c for m, c in zip(memory, cap))
+        return Pipeline(tuple(order), tuple(cuts), M, kind, step, sch, tuple(fwd), tuple(bwd),
+                        tuple(tail), head, tuple(fw), tuple(bw), memory, fits, rows)
+
+    def _leaves(self, j) -> set:
+        out, stack, seen = set(), [j], set()
+        while stack:
+            k = stack.pop()
+            if k in seen:
+                continue
+            seen.add(k)
+            for x in self.g.ops[k].inputs:
+                if x in self.leaf:
+                    out.add(self.leaf[x])
+                elif x in self.producer and self.r.region[self.producer[x]] == "pre":
+                    stack.append(self.producer[x])
+        return out
+
+
+def ticks(sch: PipeSchedule) -> list[tuple[int, int, int, str]]:
+    """The schedule as a static table of (tick, stage, microbatch, "F"/"B"): each stage's
+    work in its simulated order, a tick after what it waits for (its previous work, the
+    forward before it, the backward after it), as early as that allows."""
+    S = sch.stages
+    when: dict = {}
+    last = [-1] * S
+    out = []
+    for x in sorted(sch.slots, key=lambda x: (x.start, x.stage)):
+        deps = [last[x.stage]]
+        if x.phase == "F" and x.stage > 0:
+            deps.append(when[("F", x.stage - 1, x.micro)])
+        if x.phase == "B":
+            deps.append(when[("F", x.stage, x.micro)])
+            if x.stage < S - 1:
+                deps.append(when[("B", x.stage + 1, x.micro)])
+        t = max(deps) + 1
+        when[(x.phase, x.stage, x.micro)] = last[x.stage] = t
+        out.append((t, x.stage, x.micro, x.phase))
+    return sorted(out)
+
+
+def as_plan(pipe: Pipeline, dp: Plan, spmd: Plan, cluster: Cluster) -> Plan:
+    """The pipeline as a `Plan`: the data-parallel plan's layouts (each stage runs its ops
+    at them, per microbatch), the pipeline's price, stages and schedule; `spmd` (the best
+    SPMD-only plan) gives the baselines, with its own time as "SPMD"."""
+    from dataclasses import replace
+
+    M = pipe.micros
+    names = [c.name for c in cluster.classes]
+    islands, of = stage_parts(cluster)
+    busy_stage = [M * (f + b) + t for f, b, t in zip(pipe.forward, pipe.backward, pipe.tail)]
+    stage_of_class = {}
+    for s, k in enumerate(pipe.order):
+        for d in islands[k]:
+            stage_of_class.setdefault(cluster.class_of(d), s)
+    work = sum(f + b for f, b in zip(pipe.forward, pipe.backward)) or 1.0
+    ratios = {}
+    for c, name in enumerate(names):
+        s = stage_of_class[c]
+        devs = islands[pipe.order[s]]
+        mine = sum(cluster.device_class(d).flops for d in devs if cluster.class_of(d) == c)
+        ratios[name] = float((pipe.forward[s] + pipe.backward[s]) / work
+                             * mine / sum(cluster.device_class(d).flops for d in devs))
+    busy = {n: float(busy_stage[stage_of_class[c]]) for c, n in enumerate(names)}
+    stages = []
+    for s, k in enumerate(pipe.order):
+        stages.append({"island": part_name(cluster, islands, of, k),
+                       "devices": list(islands[k]),
+                       "from_rank": 0 if s == 0 else int(pipe.cuts[s - 1]),
+                       "rows": list(pipe.rows[s]), "forward": float(pipe.forward[s]),
+                       "backward": float(pipe.backward[s]), "tail": float(pipe.tail[s]),
+                       "memory": int(pipe.memory[s]),
+                       "in_flight": int(pipe.schedule.in_flight[s])})
+    sch = pipe.schedule
+    pipeline = {"micros": M, "schedule": pipe.kind, "cuts": [int(c) for c in pipe.cuts],
+                "table": [list(t) for t in ticks(sch)],
+                "slots": [[x.stage, x.micro, x.phase, x.start, x.end] for x in sch.slots],
+                "makespan": float(sch.makespan), "bubble": float(sch.bubble()),
+                "head": float(pipe.head), "send": [float(x) for x in pipe.send],
+                "send_back": [float(x) for x in pipe.send_back],
+                "by_kind": {k: float(v) for k, v in pipe.by_kind.items()}}
+    compute = max(M * (f + b) for f, b in zip(pipe.forward, pipe.backward))
+    return replace(
+        dp, predicted_step_time=float(pipe.step), chosen="pipeline", ratios=ratios,
+        breakdown={"compute": compute, "inline_comm": float(pipe.head + sum(pipe.send)
+                                                            + sum(pipe.send_back)),
+                   "deferred_comm": float(max(pipe.tail)),
+                   "exposed_comm": float(pipe.step - compute),
+                   "compute_per_class": busy,
+                   "idle_per_class": {n: float(pipe.step - b) for n, b in busy.items()}},
+        baselines={**spmd.baselines, "SPMD": spmd.predicted_step_time},
+        baseline_memory=spmd.baseline_memory, baseline_ops=spmd.baseline_ops,
+        baseline_busy=spmd.baseline_busy,
+        memory={n: {"need": int(pipe.memory[stage_of_class[c]]),
+                    "capacity": int(cluster.classes[c].memory)} for c, n in enumerate(names)},
+        solver={**spmd.solver}, timeline=(), stages=stages, pipeline=pipeline, conversions=())
