@@ -53,10 +53,11 @@ class WorkRepeat:
                                   jax.device_put(np.asarray(self.counts, np.int32), rep))
         return self._placed[mesh]
 
-    def wrap(self, branch, entry, extra):
-        """`branch`, then its repeats on the devices whose count exceeds one."""
+    def wrap(self, branch, entry, extra, index=None):
+        """`branch`, then its repeats on the devices whose count exceeds one (`index`: the
+        device's place in the mesh, when the mesh is not the 1-D one)."""
         flag, counts = extra
-        count = counts[lax.axis_index(AXIS)]
+        count = counts[lax.axis_index(AXIS) if index is None else index]
 
         def numeric(v):
             return v.size and jnp.issubdtype(v.dtype, jnp.number)

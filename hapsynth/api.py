@@ -99,15 +99,16 @@ def make_plan(graph, cluster, *, num_state_leaves: int, data_inputs, strategy: s
     parallelism (`"data-parallel"`, at FLOP/s-proportional `shares` unless given); with
     `pipeline` ("auto" or True) a pipeline across islands is considered too."""
     check_pipeline(pipeline)
-    if pipeline is not False and strategy == "auto":
+    if pipeline is True or pipeline == "auto" and strategy == "auto" and cluster.num_islands > 1:
         try:
-            spmd = make_plan(graph, cluster, num_state_leaves=num_state_leaves,
-                             data_inputs=data_inputs, **options)
-        except InfeasibleMemory:
-            spmd = None
+            spmd, unfit = make_plan(graph, cluster, num_state_leaves=num_state_leaves,
+                                    data_inputs=data_inputs, strategy=strategy, shares=shares,
+                                    **options), None
+        except InfeasibleMemory as err:
+            spmd, unfit = None, err
         return with_pipeline(graph, cluster, spmd, num_state_leaves=num_state_leaves,
                              data_inputs=data_inputs, pipeline=pipeline,
-                             min_gain=options.get("min_gain", Options.min_gain))
+                             min_gain=options.get("min_gain", Options.min_gain), unfit=unfit)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if strategy == "data-parallel":

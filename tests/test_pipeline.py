@@ -3,7 +3,9 @@ and pipelined programs equal to `jax.jit(train_step)` on one device."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import hapsynth as hs
@@ -191,3 +193,108 @@ def test_pipelined_state_round_trips_through_gather():
         stored[:2], is_leaf=lambda v: isinstance(v, hs.Staged)))
     for a, b in zip(jax.tree.leaves(args), jax.tree.leaves(hs.gather(stored))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# -- steps written by hand: what a pipeline must carry besides a loss -------------------
+
+def _mlp(sizes=(16, 32, 32, 32, 4), seed=0):
+    ks = jax.random.split(jax.random.key(seed), len(sizes) - 1)
+    return {f"l{i}": {"w": jax.random.normal(k, (a, b)) / np.sqrt(a), "b": jnp.zeros((b,))}
+            for i, (k, a, b) in enumerate(zip(ks, sizes[:-1], sizes[1:]))}
+
+
+def _forward(p, x, skip=False):
+    first = None
+    for i in range(len(p)):
+        x = x @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"]
+        if i < len(p) - 1:
+            x = jnp.tanh(x)
+            first = x if first is None else first
+    return x + (first[:, :x.shape[1]] if skip else 0.0)
+
+
+def _batch(n=32, d=16, c=4):
+    kx, ky = jax.random.split(jax.random.key(1))
+    return jax.random.normal(kx, (n, d)), jax.random.randint(ky, (n,), 0, c)
+
+
+def _hand_step(extras=(), skip=False):
+    tx = optax.adam(1e-2)
+
+    def step(p, o, x, y):
+        def loss_fn(p):
+            logits = _forward(p, x, skip)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), logits
+        (loss, logits), g = jax.value_and_grad(loss_fn, has_aux=True)(p)
+        u, o = tx.update(g, o, p)
+        new = optax.apply_updates(p, u)
+        aux = {"loss": loss}
+        if "grad_norm" in extras:  # made from the gradients: not part of the forward pass
+            aux["grad_norm"] = jnp.sqrt(sum(jnp.sum(v ** 2) for v in jax.tree.leaves(g)))
+        if "weights" in extras:    # made from state alone, on the stage storing it
+            aux["w0"] = jnp.sum(p["l0"]["w"] ** 2)
+            aux["b_last"] = p[f"l{len(p) - 1}"]["b"]
+        if "correct" in extras:    # an integer count over the batch
+            aux["correct"] = jnp.sum(jnp.argmax(logits, -1) == y)
+        return new, o, aux
+
+    p = _mlp()
+    return step, (p, tx.init(p), *_batch())
+
+
+def test_outputs_besides_the_loss_and_long_skips():
+    """A gradient norm, values of the state, an integer count; a skip connection across
+    four stages: all equal to one device (each of these once broke the pipeline)."""
+    step, args = _hand_step(("grad_norm", "weights", "correct"))
+    _, _, r, _ = _regions(step, args, two_islands())
+    assert 0 < sum(r.forward) < r.region.count("micro")  # a backward pass remains to cut
+    _three_steps(step, args, two_islands("0.1Gbps"))
+    step, args = _hand_step(skip=True)
+    plan, _ = _three_steps(step, args, four_islands())
+    assert len(plan.stages) == 4
+
+
+def test_fed_back_state_is_read_leaf_by_leaf():
+    """`Staged` leaves of two different steps fed back together are each read from their
+    own step; donating only some of the state donates nothing the caller still holds."""
+    step, args = _hand_step()
+    par = hs.parallelize(step, cluster=two_islands(), pipeline=True, time_limit=1,
+                         donate_argnums=(0,))
+    ref = jax.jit(step)
+    one = par(*args)
+    two = par(*one[:2], *args[2:])
+    mixed = par(two[0], one[1], *args[2:])   # the optimizer state of step 1
+    want = ref(*ref(*ref(*args)[:2], *args[2:])[:1], ref(*args)[1], *args[2:])
+    from test_lowering import compare
+    compare(hs.gather(mixed[:2]), want[:2])
+    hs.gather(one[1])  # not donated: still readable
+
+
+def test_no_fitting_plan_names_the_class_on_one_island():
+    """The default `pipeline="auto"` on one island: SPMD's memory error, as before."""
+    step, args = get("mlp", "tiny")
+    tiny = hs.Cluster.simulated([("CPU", 8, {"name": "tiny-mem", "memory": "64KiB"})])
+    with pytest.raises(hs.InfeasibleMemory, match="tiny-mem"):
+        hs.parallelize(step, cluster=tiny, time_limit=1).plan(*args)
+
+
+def test_pricing_counts_each_crossing_once():
+    """A tensor read by several ops of the next stage is priced as one transfer, the
+    size of what the lowering sends."""
+    from hapsynth.synth.pipeline import _Costs, _Evaluator
+    step, args = get("gpt", "tiny")
+    cluster = two_islands()
+    graph, dp, r, n = _regions(step, args, cluster)
+    parts, _ = stage_parts(cluster)
+    ev = _Evaluator(graph, cluster, r, n, _Costs(graph, cluster, r, parts), dp.tensor_layouts)
+    cut = (r.cut_points()[len(r.cut_points()) // 2],)
+    sc = ev.scan((0, 1), cut)
+    st = [stage_of(x, cut) if x >= 0 else -1 for x in r.rank]
+    producer = {t: op.id for op in graph.ops for t in op.outputs}
+    crossing = {(t, "B" if not r.forward[op.id] else "F") for op in graph.ops
+                if r.region[op.id] == "micro" and st[op.id] == 0
+                for t in op.inputs if t in producer and r.region[producer[t]] == "micro"
+                and st[producer[t]] == 1}
+    want = sum(graph.tensors[t].nbytes for t, ph in crossing
+               if not r.forward[producer[t]])
+    assert sc["send"][1, 0, 1] == want

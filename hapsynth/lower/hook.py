@@ -15,7 +15,9 @@ lowering knowing about benchmarks. `Lowered(prog, plan, devices, branch_hook=hoo
   - `entry[i]` is True when operand i is one of the step's own inputs, passed unchanged
     (a read-only buffer: updating it in place makes XLA copy it first, on every device);
   - `extra` is the tuple of traced extra inputs (whole values, the same on every device;
-    the hook may index them with `lax.axis_index(hapsynth.lower.values.AXIS)`).
+    the hook may index them with `lax.axis_index(hapsynth.lower.values.AXIS)`);
+  - a pipelined program (`lower/pipeline.py`, a (stage, data) mesh) also passes
+    `index=`, the device's place in `mesh.devices.flat` (traced).
   `wrap` runs while tracing, outside the `lax.switch`; what it returns is called with the
   same operands and must return the same structure as `branch`.
 """
@@ -30,5 +32,6 @@ class BranchHook(Protocol):
     def inputs(self, mesh) -> tuple:
         """The extra inputs of the next call, as arrays replicated on `mesh`."""
 
-    def wrap(self, branch: Callable, entry: Sequence[bool], extra: tuple) -> Callable:
+    def wrap(self, branch: Callable, entry: Sequence[bool], extra: tuple,
+             index=None) -> Callable:
         """The function to run in place of `branch` (see the module docstring)."""

@@ -88,8 +88,11 @@ class _Ref:
 class Pipelined:
     """A pipeline plan bound to a traced program and the cluster's devices."""
 
-    def __init__(self, prog: Program, plan: Plan, devices, *, donate=()):
+    def __init__(self, prog: Program, plan: Plan, devices, *, donate=(), branch_hook=None):
+        """`branch_hook`: measurement harnesses only (`hook.py`): every branch a device
+        runs (each tick's work, each round of once-per-step ops) is `hook.wrap`ped."""
         plan.check(of_program(prog))
+        self.hook = branch_hook
         if prog.loops or prog.input_views:
             raise NotImplementedError("a pipelined step with loop regions or microbatch views")
         self.prog, self.plan = prog, plan
@@ -130,11 +133,15 @@ class Pipelined:
         n_data = len(prog.inputs) - self.nstate
         in_specs = (tuple(PS(STAGE, None) for _ in self.state_order)
                     + tuple(PS() for _ in range(n_data)))
+        if branch_hook is not None:
+            in_specs += tuple(PS() for _ in branch_hook.inputs(self.mesh))
         out_specs = (tuple(PS(STAGE, None) for _ in self.state_order)
                      + tuple(PS() for _ in prog.outputs[self.nstate:]))
         self._fn = jax.jit(jax.shard_map(self._body, mesh=self.mesh, in_specs=in_specs,
                                          out_specs=out_specs, check_vma=False),
-                           donate_argnums=tuple(range(len(self.state_order))) if donate else ())
+                           # the state's buffers hold every leaf: given up only when all are
+                           donate_argnums=tuple(range(len(self.state_order)))
+                           if self.nstate and set(range(self.nstate)) <= set(donate) else ())
 
     # -- the static plan of the program ------------------------------------------------
     def _static(self):
@@ -203,12 +210,19 @@ class Pipelined:
         return out
 
     def _output_needs(self):
-        """State outputs that are a state input or made by pre ops: the owner computes them."""
+        """Outputs made from state alone (a state input, or by pre ops): a state output on
+        its owner, another output on the stage storing the first parameter it reads
+        (`self.out_stage`); the parameters each stage needs for them."""
         needs = [set() for _ in range(self.S)]
-        for i, o in enumerate(self.prog.outputs[:self.nstate]):
-            if isinstance(o, int) and (o in self.leaf or o in self.producer
-                                       and self.r.region[self.producer[o]] == "pre"):
-                needs[self.owner[i]] |= self._leaves_of([o])
+        self.out_stage = {}
+        for i, o in enumerate(self.prog.outputs):
+            if not isinstance(o, int) or not (o in self.leaf or o in self.producer and
+                                              self.r.region[self.producer[o]] == "pre"):
+                continue
+            leaves = self._leaves_of([o])
+            s = self.owner[i] if i < self.nstate else self.owner[min(leaves)] if leaves else 0
+            self.out_stage.setdefault(o, s)
+            needs[s] |= leaves
         return needs
 
     # -- local shapes -------------------------------------------------------------------
@@ -287,7 +301,10 @@ class Pipelined:
         prog, S = self.prog, self.S
         ns = len(self.state_order)
         state = tuple(b[0] for b in flat[:ns])
-        data = dict(zip(prog.inputs[self.nstate:], flat[ns:]))
+        n_data = len(prog.inputs) - self.nstate
+        data = dict(zip(prog.inputs[self.nstate:], flat[ns:ns + n_data]))
+        self._extra = tuple(flat[ns + n_data:])
+        raw = set(data)
         for i in self.data_ops:  # made from the whole batch, on every device
             eqn = prog.eqns[i]
             vals = [x.value if isinstance(x, Const) else data[x] for x in eqn.inputs]
@@ -295,6 +312,7 @@ class Pipelined:
         sidx = lax.axis_index(STAGE)
         didx = lax.axis_index(DATA)
         group = jnp.asarray(self.group_of)[sidx, didx]
+        self._index = sidx * self.D + didx  # the device's place in the mesh, for a hook
 
         # 1. copies of parameters a stage reads but another stores
         wants: dict = {}
@@ -303,15 +321,9 @@ class Pipelined:
                 wants.setdefault((self.owner[p], s), []).append(("leaf", p))
         copies = self._send_once(
             sidx, wants,
-            lambda s, env: self._leaf_values(s, state, {}, env), need_env=False)
+            lambda s, _: {("leaf", p): v for p, v in self.state_packing[s].unpack(
+                state, self.state_order).items()})
 
-        def leaves_of(s):
-            own = self.state_packing[s].unpack(state, self.state_order)
-            got = {}
-            for ref in copies.get(s, []):
-                got.update(ref.packing.unpack(ref.bufs, ref.order))
-            return {**{prog.inputs[p]: v for p, v in own.items()},
-                    **{prog.inputs[k[1]]: v for k, v in got.items()}}
 
         # 2. the ticks
         acc = tuple(jnp.zeros((n,), k) for k, n in self.acc_sizes.items())
@@ -347,9 +359,14 @@ class Pipelined:
             for s, refs in copies.items():
                 for k, ref in enumerate(refs):
                     take(("copy", s, k), ref)
-            branches = [self._tick_branch(g, acts, slots, base, keep_p, keep_sizes, send_p,
-                                          send_sizes, acc_order, copies, inbox, kept)
-                        for g in range(len(self.groups))]
+            entry = [False] * len(operands)
+            for j in range(len(state)):
+                entry[base + j] = True
+            for j, t in enumerate(self.data):
+                entry[base + len(state) + len(acc) + j] = t in raw
+            branches = [self._hooked(self._tick_branch(
+                g, acts, slots, base, keep_p, keep_sizes, send_p, send_sizes, acc_order, copies,
+                inbox, kept), entry) for g in range(len(self.groups))]
             outs = lax.switch(group, branches, *operands) if len(branches) > 1 else branches[0](*operands)
             k = 0
             acc = tuple(outs[k:k + len(acc_order)])
@@ -376,11 +393,38 @@ class Pipelined:
 
         # 3. once per step: sums over the stage's devices, then the stages' remaining ops
         acc = tuple(lax.psum(a, DATA) for a in acc)
-        return self._finish(sidx, state, acc, acc_order, data, leaves_of)
+        ctx = {"state": list(state), "copies": [[list(r.bufs) for r in copies.get(s, [])]
+                                                for s in range(S)],
+               "data": [data[t] for t in self.data]}
+        return self._finish(sidx, ctx, copies, acc, acc_order, raw)
 
-    def _leaf_values(self, s, state, _, env):
-        own = self.state_packing[s].unpack(state, self.state_order)
-        return {("leaf", p): v for p, v in own.items()}
+    def _hooked(self, f, entry):
+        return f if self.hook is None else self.hook.wrap(f, entry, self._extra,
+                                                          index=self._index)
+
+    def _leaves(self, s, ctx, copies) -> dict:
+        """Stage s's state (what it stores and the copies it received) by tensor id."""
+        prog = self.prog
+        out = {prog.inputs[p]: v for p, v in self.state_packing[s].unpack(
+            tuple(ctx["state"]), self.state_order).items()}
+        for ref, bufs in zip(copies.get(s, []), ctx["copies"][s]):
+            out.update({prog.inputs[k[1]]: v for k, v in ref.packing.unpack(
+                tuple(bufs), ref.order).items()})
+        return out
+
+    def _stage_switch(self, sidx, ctx, raw, body):
+        """`lax.switch` on the stage of `body(s, ctx)`, the values of `ctx` (state,
+        copies, data, values made so far) passed as operands: a branch hook sees them."""
+        leaves, tree = jax.tree.flatten(ctx)
+        flags = jax.tree.leaves({**jax.tree.map(lambda _: False, ctx),
+                                 "state": [True] * len(ctx["state"]),
+                                 "data": [t in raw for t in self.data]})
+
+        def make(s):
+            def f(*ops):
+                return body(s, jax.tree.unflatten(tree, ops))
+            return self._hooked(f, flags)
+        return lax.switch(sidx, [make(s) for s in range(self.S)], *leaves)
 
     def _tick_branch(self, g, acts, slots, base, keep_p, keep_sizes, send_p, send_sizes,
                      acc_order, copies, inbox, kept):
@@ -465,7 +509,7 @@ class Pipelined:
             out[t] = lax.dynamic_slice_in_dim(whole, off * scale, rows * scale, axis=lay.dim)
         return out
 
-    def _send_once(self, sidx, wants, values_of, need_env=True) -> dict:
+    def _send_once(self, sidx, wants, values_of) -> dict:
         """Whole values sent between stages once: `wants[(src, dst)]` lists keys; the
         sender's `values_of(src, env)` gives them. Returns dst -> [_Ref]."""
         by_shift: dict = {}
@@ -499,7 +543,7 @@ class Pipelined:
     def _whole_dtype(self, key):
         return self.prog.avals[self.prog.inputs[key[1]] if key[0] == "leaf" else key[1]].dtype
 
-    def _finish(self, sidx, state, acc, acc_order, data, leaves_of):
+    def _finish(self, sidx, ctx, copies, acc, acc_order, raw):
         """Rounds of once-per-step ops; returns the new state buffers and the outputs."""
         prog, S = self.prog, self.S
         where: dict = {}   # tensor -> (stage, round) it is made in
@@ -509,39 +553,35 @@ class Pipelined:
         level = {}
         for i in sorted(i for ids in self.post.values() for i in ids):
             s = self.stage[i]
-            if True:
-                lv = 0
-                for x in prog.eqns[i].inputs:
-                    if isinstance(x, int) and x in where:
-                        a, k = where[x]
-                        lv = max(lv, k + (a != s))
-                level[i] = lv
-                for t in prog.eqns[i].outputs:
-                    where[t] = (s, lv)
+            lv = 0
+            for x in prog.eqns[i].inputs:
+                if isinstance(x, int) and x in where:
+                    a, k = where[x]
+                    lv = max(lv, k + (a != s))
+            level[i] = lv
+            for t in prog.eqns[i].outputs:
+                where[t] = (s, lv)
         outs = prog.outputs
         final = max([0] + list(level.values())) + 1
-        avail = [dict() for _ in range(S)]   # values held per stage after the rounds so far
-        for s in range(S):
-            avail[s].update(self.acc_packing[s].unpack(acc, acc_order))
+        avail = [dict(self.acc_packing[s].unpack(acc, acc_order)) for s in range(S)]
+        keys = [list(a) for a in avail]
 
-        def resolve_for(s):
-            known = leaves_of(s)
-            known.update(data)
+        def context():
+            return {**ctx, "avail": [[avail[s][t] for t in keys[s]] for s in range(S)]}
 
-            def resolve(x):
-                if x in avail_now[s]:
-                    return avail_now[s][x]
-                return known[x]
-            return resolve
+        def view(s, c):
+            """Stage s's values inside a branch: state, data, what it holds so far."""
+            known = self._leaves(s, c, copies)
+            known.update(zip(self.data, c["data"]))
+            return known, dict(zip(keys[s], c["avail"][s]))
 
-        rounds = sorted(set(level.values()) | {final})
-        avail_now = [dict(a) for a in avail]
-        for k in rounds:
+        for k in sorted(set(level.values()) | {final}):
             # values made at an earlier round on another stage, read now
             wants: dict = {}
             for s in range(S):
-                readers = [i for i in self.post[s] if level[i] == k]
-                for i in readers:
+                for i in self.post[s]:
+                    if level[i] != k:
+                        continue
                     for x in prog.eqns[i].inputs:
                         if isinstance(x, int) and x in where and where[x][0] != s:
                             wants.setdefault((where[x][0], s), []).append(("t", x))
@@ -552,15 +592,15 @@ class Pipelined:
                             wants.setdefault((where[o][0], s), []).append(("t", o))
             wants = {key: list(dict.fromkeys(v)) for key, v in wants.items()}
             if wants:
-                snap = [dict(a) for a in avail_now]
-                got = self._send_once(sidx, wants,
-                                      lambda a, _, snap=snap: {("t", x): snap[a][x] for x in
-                                                               {key[1] for (src, _), ks in wants.items()
-                                                                if src == a for key in ks}})
+                snap = [dict(a) for a in avail]
+                got = self._send_once(sidx, wants, lambda a, _, snap=snap: {
+                    key: snap[a][key[1]] for (src, _), ks in wants.items() if src == a
+                    for key in ks})
                 for s, refs in got.items():
                     for ref in refs:
                         for key, v in ref.packing.unpack(ref.bufs, ref.order).items():
-                            avail_now[s][key[1]] = v
+                            avail[s][key[1]] = v
+                keys = [list(a) for a in avail]
             if k == final:
                 break
             # this round's ops, per stage, in a switch: new values packed per stage
@@ -570,59 +610,64 @@ class Pipelined:
                      for s in range(S)]
             sizes = _bundle(packs)
 
-            def branch(s, k=k, packs=packs, sizes=sizes, snap=[dict(a) for a in avail_now]):
-                def f():
-                    env = dict(snap[s])
-                    known = leaves_of(s)
-                    known.update(data)
-                    run = self._evaluator(s, None, None, env, lambda x: known[x])
-                    for i in self.post[s]:
-                        if level[i] == k:
-                            run(i)
-                    return packs[s].pack({t: env[t] for t in packs[s].slots}, sizes)
-                return f
-
-            bufs = lax.switch(sidx, [branch(s) for s in range(S)])
-            for s in range(S):
-                for t, v in packs[s].unpack(bufs, tuple(sizes)).items():
-                    avail_now[s][t] = v
-
-        def stage_state(s):
-            def f():
-                known = leaves_of(s)
-                env = dict(avail_now[s])
+            def rnd(s, c, k=k, packs=packs, sizes=sizes):
+                known, env = view(s, c)
                 run = self._evaluator(s, None, None, env, lambda x: known[x])
-                vals = {}
-                for p, o in enumerate(outs[:self.nstate]):
-                    if self.owner[p] != s:
-                        continue
-                    if isinstance(o, Const):
-                        vals[p] = jnp.broadcast_to(jnp.asarray(o.value), o.aval.shape)
-                    elif o in env:
-                        vals[p] = env[o]
-                    elif o in known:
-                        vals[p] = known[o]
-                    else:
-                        run(self.producer[o])
-                        vals[p] = env[o]
-                return self.state_packing[s].pack(vals, self.state_sizes)
-            return f
+                for i in self.post[s]:
+                    if level[i] == k:
+                        run(i)
+                return packs[s].pack({t: env[t] for t in packs[s].slots}, sizes)
 
-        new_state = lax.switch(sidx, [stage_state(s) for s in range(S)])
+            bufs = self._stage_switch(sidx, context(), raw, rnd)
+            for s in range(S):
+                avail[s].update(packs[s].unpack(bufs, tuple(sizes)))
+            keys = [list(a) for a in avail]
+
+        def stage_state(s, c):
+            known, env = view(s, c)
+            run = self._evaluator(s, None, None, env, lambda x: known[x])
+            vals = {}
+            for p, o in enumerate(outs[:self.nstate]):
+                if self.owner[p] != s:
+                    continue
+                if isinstance(o, Const):
+                    vals[p] = jnp.broadcast_to(jnp.asarray(o.value), o.aval.shape)
+                elif o in env:
+                    vals[p] = env[o]
+                elif o in known:
+                    vals[p] = known[o]
+                else:
+                    run(self.producer[o])
+                    vals[p] = env[o]
+            return self.state_packing[s].pack(vals, self.state_sizes)
+
+        new_state = self._stage_switch(sidx, context(), raw, stage_state)
+        wanted = [o for o in outs[self.nstate:] if not isinstance(o, Const)]
+
+        def made_on(o) -> int:
+            return where[o][0] if o in where else self.out_stage.get(o, 0)
+
+        def results_of(s, c):  # each output from the stage making it, zeros elsewhere
+            known, env = view(s, c)
+            run = self._evaluator(s, None, None, env, lambda x: known[x])
+            out = []
+            for o in wanted:
+                if made_on(o) != s:
+                    out.append(jnp.zeros(prog.avals[o].shape, prog.avals[o].dtype))
+                elif o in env or o in known:
+                    out.append(env[o] if o in env else known[o])
+                else:
+                    run(self.producer[o])
+                    out.append(env[o])
+            return tuple(out)
+
+        picked = iter(self._stage_switch(sidx, context(), raw, results_of))
         results = []
         for o in outs[self.nstate:]:
             if isinstance(o, Const):
                 results.append(jnp.asarray(o.value))
                 continue
-            a = where[o][0] if o in where else 0
-
-            def pick(s, o=o, a=a):
-                def f():
-                    if s != a:
-                        return jnp.zeros(prog.avals[o].shape, prog.avals[o].dtype)
-                    return avail_now[s][o] if o in avail_now[s] else leaves_of(s)[o]
-                return f
-            v = lax.switch(sidx, [pick(s) for s in range(S)])
+            v = next(picked)
             if v.dtype == jnp.bool_:
                 results.append(lax.psum(v.astype(jnp.int32), STAGE).astype(jnp.bool_))
             else:
@@ -632,9 +677,11 @@ class Pipelined:
     # -- running it ----------------------------------------------------------------------
     def _pack_state(self, leaves):
         """State leaves (arrays or `Staged` of this program) as the per-stage buffers."""
-        if all(isinstance(x, Staged) and x.owner is self for x in leaves[:self.nstate]) \
-                and leaves[:self.nstate]:
-            return tuple(leaves[0].buffers[k] for k in self.state_order)
+        state = leaves[:self.nstate]
+        if state and all(isinstance(x, Staged) and x.owner is self and x.buffers is state[0].buffers
+                         and self.state_packing[x.stage].slots.get(p) == (x.key, x.offset, x.shape)
+                         for p, x in enumerate(state)):  # this program's last state, in place
+            return tuple(state[0].buffers[k] for k in self.state_order)
         rows = {k: np.zeros((self.S, n), k) for k, n in self.state_sizes.items()}
         for s, p in enumerate(self.state_packing):
             for key, (k, off, shape) in p.slots.items():
@@ -675,7 +722,8 @@ class Pipelined:
         state = self._pack_state(leaves)
         rep = NamedSharding(self.mesh, PS())
         data = [jax.device_put(jnp.asarray(x), rep) for x in leaves[self.nstate:]]
-        outs = self._fn(*state, *data)
+        extra = self.hook.inputs(self.mesh) if self.hook is not None else ()
+        outs = self._fn(*state, *data, *extra)
         if self.mesh.devices.flat[0].platform == "cpu":
             jax.block_until_ready(outs)
         bufs = dict(zip(self.state_order, outs[:len(self.state_order)]))

@@ -208,9 +208,10 @@ class _Evaluator:
         owner = [stage_of(x, cuts) for x in r.owner_rank]
         fwd, bwd, whole = [0.0] * S, [0.0] * S, [0.0] * S
         send = np.zeros((S, S, 2))       # bytes of the whole batch a -> b, forward/backward
-        once = np.zeros((S, S))          # bytes per step a -> b (parameters, sums)
+        once = np.zeros((S, S))          # bytes per step a -> b after the microbatches (sums)
         acc, resid = [0.0] * S, [0.0] * S
         needs: list[set] = [set() for _ in range(S)]
+        seen: set = set()
         for op in g.ops:
             i, reg, s = op.id, r.region[op.id], st[op.id]
             if reg == "micro" and s >= 0:
@@ -237,6 +238,10 @@ class _Evaluator:
                     needs[s] |= self._leaves(j)
                     continue
                 a = st[j]
+                key = (x, s, reg == "micro" and not r.forward[i])
+                if key in seen:  # a tensor is kept, sent or summed once, however many read it
+                    continue
+                seen.add(key)
                 if a < 0 or a == s:
                     if a == s and r.forward[j] and reg == "micro" and not r.forward[i]:
                         resid[s] += g.tensors[x].nbytes
@@ -245,10 +250,6 @@ class _Evaluator:
                     send[a, s, 0 if r.forward[j] else 1] += g.tensors[x].nbytes
                 else:
                     once[a, s] += g.tensors[x].nbytes
-        for s in range(S):
-            for p in needs[s]:
-                if owner[p] != s:
-                    once[owner[p], s] += g.tensors[g.inputs[p]].nbytes
         out = dict(owner=owner, fwd=fwd, bwd=bwd, whole=whole, send=send, once=once, acc=acc,
                    resid=resid, needs=needs)
         self._scans[key] = out
@@ -329,21 +330,28 @@ def ticks(sch: PipeSchedule) -> list[tuple[int, int, int, str]]:
     work in its simulated order, a tick after what it waits for (its previous work, the
     forward before it, the backward after it), as early as that allows."""
     S = sch.stages
+    before: dict = {}
+    last: dict = {}
+    for x in sch.slots:  # the simulation lists each stage's work in the order it ran it
+        key = (x.phase, x.stage, x.micro)
+        before[key] = last.get(x.stage)
+        last[x.stage] = key
     when: dict = {}
-    last = [-1] * S
-    out = []
-    for x in sorted(sch.slots, key=lambda x: (x.start, x.stage)):
-        deps = [last[x.stage]]
-        if x.phase == "F" and x.stage > 0:
-            deps.append(when[("F", x.stage - 1, x.micro)])
-        if x.phase == "B":
-            deps.append(when[("F", x.stage, x.micro)])
-            if x.stage < S - 1:
-                deps.append(when[("B", x.stage + 1, x.micro)])
-        t = max(deps) + 1
-        when[(x.phase, x.stage, x.micro)] = last[x.stage] = t
-        out.append((t, x.stage, x.micro, x.phase))
-    return sorted(out)
+
+    def tick(key) -> int:
+        if key not in when:
+            ph, s, m = key
+            deps = [before[key]]
+            if ph == "F" and s > 0:
+                deps.append(("F", s - 1, m))
+            if ph == "B":
+                deps.append(("F", s, m))
+                if s < S - 1:
+                    deps.append(("B", s + 1, m))
+            when[key] = 1 + max([-1] + [tick(d) for d in deps if d is not None])
+        return when[key]
+
+    return sorted((tick(k), k[1], k[2], k[0]) for k in before)
 
 
 def as_plan(pipe: Pipeline, dp: Plan, spmd: Plan, cluster: Cluster) -> Plan:
@@ -356,19 +364,19 @@ def as_plan(pipe: Pipeline, dp: Plan, spmd: Plan, cluster: Cluster) -> Plan:
     names = [c.name for c in cluster.classes]
     islands, of = stage_parts(cluster)
     busy_stage = [M * (f + b) + t for f, b, t in zip(pipe.forward, pipe.backward, pipe.tail)]
-    stage_of_class = {}
-    for s, k in enumerate(pipe.order):
-        for d in islands[k]:
-            stage_of_class.setdefault(cluster.class_of(d), s)
     work = sum(f + b for f, b in zip(pipe.forward, pipe.backward)) or 1.0
-    ratios = {}
-    for c, name in enumerate(names):
-        s = stage_of_class[c]
-        devs = islands[pipe.order[s]]
-        mine = sum(cluster.device_class(d).flops for d in devs if cluster.class_of(d) == c)
-        ratios[name] = float((pipe.forward[s] + pipe.backward[s]) / work
-                             * mine / sum(cluster.device_class(d).flops for d in devs))
-    busy = {n: float(busy_stage[stage_of_class[c]]) for c, n in enumerate(names)}
+    ratios = dict.fromkeys(names, 0.0)
+    busy = dict.fromkeys(names, 0.0)
+    need = dict.fromkeys(names, 0)
+    for s, k in enumerate(pipe.order):  # a class may hold parts of several stages
+        devs = islands[k]
+        total = sum(cluster.device_class(d).flops for d in devs)
+        for d in devs:
+            n = cluster.classes[cluster.class_of(d)].name
+            ratios[n] += float((pipe.forward[s] + pipe.backward[s]) / work
+                               * cluster.device_class(d).flops / total)
+            busy[n] = max(busy[n], float(busy_stage[s]))
+            need[n] = max(need[n], int(pipe.memory[s]))
     stages = []
     for s, k in enumerate(pipe.order):
         stages.append({"island": part_name(cluster, islands, of, k),
@@ -398,6 +406,6 @@ def as_plan(pipe: Pipeline, dp: Plan, spmd: Plan, cluster: Cluster) -> Plan:
         baselines={**spmd.baselines, "SPMD": spmd.predicted_step_time},
         baseline_memory=spmd.baseline_memory, baseline_ops=spmd.baseline_ops,
         baseline_busy=spmd.baseline_busy,
-        memory={n: {"need": int(pipe.memory[stage_of_class[c]]),
-                    "capacity": int(cluster.classes[c].memory)} for c, n in enumerate(names)},
+        memory={n: {"need": need[n], "capacity": int(cluster.classes[c].memory)}
+                for c, n in enumerate(names)},
         solver={**spmd.solver}, timeline=(), stages=stages, pipeline=pipeline, conversions=())

@@ -129,18 +129,28 @@ def analyse(graph: Graph, layouts, op_inputs, num_state_leaves: int) -> Regions:
             raise NotPipelineable(f"output {i} keeps the batch dim (t{o}): only sums over "
                                   "the batch leave a pipeline")
 
-    # forward: what the non-state outputs depend on
+    # forward: what the loss (and other outputs made before any gradient) depends on; an
+    # output made from the gradients (their norm) or the new state says nothing of it
+    def ancestors(ts) -> set:
+        seen, stack = set(), [producer[t] for t in ts if t is not None and t in producer]
+        while stack:
+            i = stack.pop()
+            if i not in seen:
+                seen.add(i)
+                stack += [producer[x] for x in ops[i].inputs if x is not None and x in producer]
+        return seen
+
+    to_state = ancestors(outputs[:num_state_leaves])
+    grads = {i for i in to_state if region[i] == "micro"
+             and any(layouts[t].kind == "P" for t in ops[i].outputs)}
     forward = [False] * n
-    stack = [producer[o] for o in outputs[num_state_leaves:] if o is not None and o in producer]
-    while stack:
-        i = stack.pop()
-        if forward[i]:
-            continue
-        forward[i] = True
-        stack += [producer[x] for x in ops[i].inputs if x is not None and x in producer]
-    forward = [f and r == "micro" for f, r in zip(forward, region)]
+    for o in outputs[num_state_leaves:]:
+        up = ancestors([o])
+        if up and not up & grads:
+            for i in up:
+                forward[i] = region[i] == "micro"
     if not any(forward):
-        raise NotPipelineable("the step returns nothing made from the batch (no loss): "
+        raise NotPipelineable("the step returns no loss made before its gradients: "
                               "there is no forward pass to cut")
 
     # parameters: rank at first forward use (through pre ops)
@@ -195,20 +205,32 @@ def analyse(graph: Graph, layouts, op_inputs, num_state_leaves: int) -> Regions:
                 if region[j] == "micro" or _size(graph, ops[j].outputs[0]) >= _size(graph, t):
                     d = max(d, down[j])
         down[op.id] = d
-    for op in ops:  # backward and post ops
-        if forward[op.id] or input_only[op.id] or region[op.id] == "pre":
+    backward = [region[i] == "micro" and not forward[i] and not input_only[i] for i in range(n)]
+    for op in ops:  # backward ops
+        if backward[op.id]:
+            r = max((first.get(p, -1) for p in params_of[op.id]), default=-1)
+            for x in op.inputs:
+                if x in producer and forward[producer[x]]:
+                    r = max(r, rank[producer[x]])
+            rank[op.id] = max(r, down[op.id])
+    for op in reversed(ops):  # cotangents flow to earlier stages only: a producer's rank is
+        if backward[op.id]:   # at least its backward readers'
+            for x in op.inputs:
+                if x in producer and backward[producer[x]]:
+                    rank[producer[x]] = max(rank[producer[x]], rank[op.id])
+    for op in ops:  # post ops
+        if region[op.id] != "post":
             continue
         r = max((first.get(p, -1) for p in params_of[op.id]), default=-1)
         for x in op.inputs:
             if x in producer and forward[producer[x]]:
                 r = max(r, rank[producer[x]])
-        if region[op.id] == "post":
-            here = max([r] + [rank[producer[x]] for x in op.inputs if x in producer])
-            biggest = max((_size(graph, x) for x in op.inputs if x is not None), default=0)
-            if down[op.id] < 0 or _size(graph, op.outputs[0]) < biggest:
-                rank[op.id] = here  # a reduction (a gradient's norm) runs where its operand is
-                continue
-        rank[op.id] = max(r, down[op.id])
+        here = max([r] + [rank[producer[x]] for x in op.inputs if x in producer])
+        biggest = max((_size(graph, x) for x in op.inputs if x is not None), default=0)
+        if down[op.id] < 0 or _size(graph, op.outputs[0]) < biggest:
+            rank[op.id] = here  # a reduction (a gradient's norm) runs where its operand is
+        else:
+            rank[op.id] = max(r, down[op.id])
     for i, o in enumerate(outputs[:num_state_leaves]):
         if owner[i] < 0:  # state the forward never reads (optimizer moments, counters)
             owner[i] = rank[producer[o]] if o in producer else 0

@@ -248,7 +248,8 @@ def _number(x):
 
 
 def with_pipeline(graph: Graph, cluster: Cluster, spmd: Plan | None, *, num_state_leaves: int,
-                  data_inputs, pipeline, min_gain: float = 0.05) -> Plan:
+                  data_inputs, pipeline, min_gain: float = 0.05,
+                  unfit: InfeasibleMemory | None = None) -> Plan:
     """`pipeline="auto"`: a pipeline across the cluster's islands when it prices `min_gain`
     faster than `spmd` (the best SPMD-only plan; None when none fits) and fits (a pipeline
     is the more complex program, as data parallelism is kept over a plan barely faster); `True`: the
@@ -263,12 +264,10 @@ def with_pipeline(graph: Graph, cluster: Cluster, spmd: Plan | None, *, num_stat
         if pipeline is True:
             raise NotPipelineable(f"pipeline=True: {why}")
         if spmd is None:
-            raise InfeasibleMemory(f"no SPMD-only plan fits, and no pipeline: {why}")
+            raise InfeasibleMemory(f"{unfit}; and no pipeline: {why}")
         return replace(spmd, baselines={**spmd.baselines, "SPMD": spmd.predicted_step_time},
                        solver={**spmd.solver, "pipeline": why})
 
-    if cluster.num_islands < 2 and pipeline is not True:
-        return spmd  # no pipeline is considered on one island
     if cluster.num_islands < 2:
         return keep(f"cluster {cluster.name!r} has one island (declare islands to pipeline "
                     "across them)")

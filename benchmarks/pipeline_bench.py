@@ -1,0 +1,167 @@
+"""`hapsynth bench pipeline`: a pipeline measured against the best SPMD-only plan, on two
+emulated islands joined by a slow link.
+
+Two `jax.distributed` processes (one CPU device and one core each, `launch.py`) are two
+islands of one device. The slow device is emulated as in `hapsynth bench hetero` (every
+branch it runs is run r times, `emulation.WorkRepeat`). The slow link is a real one: the
+processes run in their own network namespace whose loopback is rate-limited by a token
+bucket (`tc qdisc tbf`, jumbo frames so that the bucket sees every packet); every byte
+between the processes crosses it, the gradient all-reduce of SPMD as much as a
+pipeline's activations. This needs root and iproute2 (`ip`, `tc`).
+
+In one run: the link is measured (`hapsynth.profile.links`, inside the namespace), the
+compute rate calibrated from even data parallelism with every branch run once and twice
+(as `hetero.py` does); the cluster is then two islands, the fast class at that rate and
+the slow at rate / r, joined by the measured link. The best SPMD-only plan
+(`pipeline=False`) and the best pipeline (`pipeline=True`) are planned on it, lowered,
+and timed alternately (median of `reps` after warm-up); each prediction is printed
+beside its measurement with the same fixed per-step overhead added to both.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import uuid
+
+NAMESPACE = "hapsynth-bench"
+
+
+def _islands(flops: float, bandwidth: float, ratio: float, link: dict | None):
+    from hapsynth.cluster import Cluster
+
+    links = None
+    if link:
+        lvl = {"bandwidth": link["bandwidth"], "latency": link["latency"]}
+        links = {"intra_host": lvl, "inter_host": lvl, "inter_island": lvl}
+    return Cluster.simulated(
+        [("CPU", 1, {"name": "fast", "flops": flops, "mem_bandwidth": bandwidth, "host": 0}),
+         ("CPU", 1, {"name": "slow", "flops": flops / ratio, "mem_bandwidth": bandwidth / ratio,
+                     "host": 1})],
+        links=links, islands={"fast": ["fast"], "slow": ["slow"]},
+        name=f"emulated-islands-{ratio:g}to1")
+
+
+def measure(model: str, config: str, ratio: float, reps: int, time_limit: float) -> dict:
+    """One process's part (runs under `hapsynth_bench.launch`)."""
+    import jax
+
+    from hapsynth import profile
+    from hapsynth.api import make_plan
+    from hapsynth.ir import lift
+    from hapsynth.lower.pipeline import Pipelined
+    from hapsynth.lower.program import Lowered
+    from hapsynth.models import get
+    from hapsynth_bench.emulation import WorkRepeat
+    from hapsynth_bench.hetero import _time_steps
+    from hapsynth_bench.launch import progress
+
+    devices = jax.devices()
+    link = profile.links()
+    progress(f"link: {link['bandwidth'] / 1e6:.1f} MB/s, latency {link['latency'] * 1e6:.0f} us")
+    step, args = get(model, config, devices=len(devices))
+    prog, graph = lift(step, *args)
+    nstate = len(jax.tree.leaves(args[:2]))
+
+    def plan(cluster, **kw):
+        return make_plan(graph, cluster, num_state_leaves=nstate, data_inputs=graph.inputs[nstate:],
+                         time_limit=time_limit, **kw)
+
+    emulate = WorkRepeat((1, 1))
+    probe = plan(_islands(1e11, 1e10, 1.0, link), strategy="data-parallel", shares=(0.5, 0.5))
+    low = Lowered(prog, probe, devices, branch_hook=emulate)
+    t1 = _time_steps({"probe": (low, args)}, reps)["probe"]
+    emulate.set((2, 2))
+    t2 = _time_steps({"probe": (low, args)}, reps)["probe"]
+    busy = probe.breakdown["compute_per_class"]["fast"]
+    work = max(t2 - t1, 1e-6)
+    scale = busy / work
+    comm = probe.breakdown["inline_comm"] + probe.breakdown["exposed_comm"]
+    overhead = max(t1 - work - comm * 1.0, 0.0)  # dispatch and the rest, not split, not slowed
+    cluster = _islands(1e11 * scale, 1e10 * scale, ratio, link)
+    progress(f"calibrated: {1e11 * scale / 1e9:.1f} GFLOP/s, overhead {overhead * 1e3:.1f} ms")
+    spmd = plan(cluster, pipeline=False)
+    pipe = plan(cluster, pipeline=True)
+    progress(f"planned: SPMD-only {spmd.predicted_step_time * 1e3:.1f} ms ({spmd.chosen}), "
+             f"pipeline {pipe.predicted_step_time * 1e3:.1f} ms")
+    runs = {"SPMD": (Lowered(prog, spmd, devices, branch_hook=emulate), args),
+            "pipeline": (Pipelined(prog, pipe, devices, branch_hook=emulate), args)}
+    emulate.set((1, int(round(ratio))))
+    measured = _time_steps(runs, reps)
+    predicted = {"SPMD": spmd.predicted_step_time + overhead,
+                 "pipeline": pipe.predicted_step_time + overhead}
+    return {"model": f"{model}-{config}", "ratio": f"{ratio:g}:1", "link": link,
+            "measured": measured, "predicted": predicted, "spmd_chosen": spmd.chosen,
+            "pipeline": {"micros": pipe.pipeline["micros"], "schedule": pipe.pipeline["schedule"],
+                         "stages": [s["island"] for s in pipe.stages],
+                         "by_kind": pipe.pipeline["by_kind"]},
+            "calibration": {"flops": 1e11 * scale, "overhead": overhead, "probe_1to1": t1,
+                            "probe_twice": t2}}
+
+
+@contextlib.contextmanager
+def slow_loopback(rate: str):
+    """A network namespace whose loopback carries at most `rate` (e.g. "100mbit"); yields
+    the command prefix that runs a program inside it."""
+    name = f"{NAMESPACE}-{uuid.uuid4().hex[:6]}"
+    steps = [["ip", "netns", "add", name],
+             ["ip", "netns", "exec", name, "ip", "link", "set", "dev", "lo", "mtu", "9000"],
+             ["ip", "netns", "exec", name, "ip", "link", "set", "dev", "lo", "gso_max_size", "9000"],
+             ["ip", "netns", "exec", name, "ip", "link", "set", "dev", "lo", "gro_max_size", "9000"],
+             ["ip", "netns", "exec", name, "ip", "link", "set", "dev", "lo", "up"],
+             ["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
+              "rate", rate, "burst", "256kb", "latency", "100ms"]]
+    try:
+        for cmd in steps:
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode:
+                raise RuntimeError(f"a slow link needs root and iproute2: `{' '.join(cmd)}` "
+                                   f"said: {done.stderr.strip()}")
+        yield ["ip", "netns", "exec", name]
+    finally:
+        subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+
+
+def run(model: str = "gpt", config: str = "small", ratio: float = 2.0, reps: int = 8,
+        time_limit: float = 5.0, link: str | None = "100mbit") -> dict:
+    """Measure in the slow-link namespace (or on the plain loopback when `link` is None)."""
+    kwargs = {"model": model, "config": config, "ratio": ratio, "reps": reps,
+              "time_limit": time_limit}
+    if link is None:
+        from hapsynth_bench import launch
+        return launch.run("hapsynth_bench.pipeline_bench:measure", kwargs, echo=True)
+    with slow_loopback(link) as prefix:
+        out = subprocess.run([*prefix, sys.executable, "-m", "hapsynth_bench.pipeline_bench",
+                              json.dumps(kwargs)], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ})
+    if out.returncode:
+        raise RuntimeError(f"the measurement failed ({out.returncode})")
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    row["link_limit"] = link
+    return row
+
+
+def format_row(r: dict) -> str:
+    m, p = r["measured"], r["predicted"]
+    lines = [f"{r['model']} at {r['ratio']}, link {r.get('link_limit', 'loopback')} (measured "
+             f"{r['link']['bandwidth'] / 1e6:.1f} MB/s, {r['link']['latency'] * 1e6:.0f} us); "
+             f"pipeline {len(r['pipeline']['stages'])} stages x {r['pipeline']['micros']} "
+             f"microbatches, {r['pipeline']['schedule']}; SPMD-only: {r['spmd_chosen']}",
+             f"{'':>10} {'SPMD-only':>10} {'pipeline':>10} {'speed-up':>9}"]
+    for label, d in (("measured", m), ("predicted", p)):
+        lines.append(f"{label:>10} {d['SPMD'] * 1e3:8.1f}ms {d['pipeline'] * 1e3:8.1f}ms "
+                     f"{d['SPMD'] / d['pipeline']:8.2f}x")
+    sm, sp = m["SPMD"] / m["pipeline"], p["SPMD"] / p["pipeline"]
+    lines.append(f"{'error':>10} {100 * (p['SPMD'] - m['SPMD']) / m['SPMD']:+9.0f}% "
+                 f"{100 * (p['pipeline'] - m['pipeline']) / m['pipeline']:+9.0f}% "
+                 f"{100 * (sp - sm) / sm:+8.0f}%")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # inside the namespace: run the processes, print the row
+    from hapsynth_bench import launch
+
+    print(json.dumps(launch.run("hapsynth_bench.pipeline_bench:measure", json.loads(sys.argv[1]),
+                                echo=True)))

@@ -1,0 +1,131 @@
+"""Pipelines across islands, priced: SPMD-only against pipelines with GPipe, plain 1F1B and
+the heterogeneity-aware 1F1B; what `pipeline="auto"` picks; the ideal. A markdown table.
+
+    .venv/bin/python benchmarks/pipelines.py [--time-limit 10] [--out benchmarks/PIPELINES.md]
+    .venv/bin/python -m hapsynth_bench.pipelines ...        (the same, installed)
+
+Every figure is the cost model's prediction (no GPU runs here). "SPMD-only" is the best
+plan `hs.parallelize(..., pipeline=False)` finds (it must fit memory); each pipeline
+column is the best pipeline found under that schedule (stage cuts, stage order and
+microbatch count searched for it); "auto" is what `pipeline="auto"` returns. Rows
+include where pipelines pay (large gradients, slow inter-island links) and where they
+do not (fast links; activations crossing a cut outweighing the gradients).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if not __package__:  # run as a script: this folder's modules are the package hapsynth_bench
+    _here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
+
+import jax  # noqa: E402
+
+import hapsynth as hs  # noqa: E402
+from hapsynth.api import state_arity  # noqa: E402
+from hapsynth.ir import lift_program, trace  # noqa: E402
+from hapsynth.models import get  # noqa: E402
+from hapsynth.synth.pipeline import SCHEDULES, plan_pipeline  # noqa: E402
+from hapsynth.synth.stages import NotPipelineable, analyse  # noqa: E402
+from hapsynth.synth.synthesize import data_parallel_plan  # noqa: E402
+
+
+def with_link(name: str, bandwidth: str) -> hs.Cluster:
+    """Preset `name` with its inter-island link at `bandwidth`."""
+    c = hs.Cluster.load(name)
+    d = c.to_dict()
+    d["links"]["inter_island"] = {**d["links"]["inter_island"], "bandwidth": bandwidth,
+                                  "name": f"{bandwidth} link"}
+    d["name"] = f"{name}@{bandwidth}"
+    return hs.Cluster.from_dict(d)
+
+
+ROWS = [  # (model, config, cluster): where pipelines pay, then where they do not
+    ("gpt", "medium", "a100x8-v100x8-islands-10g"),
+    ("gpt", "medium", "three-islands"),
+    ("gpt", "paper", "a100x8-v100x8-islands-10g"),
+    ("gpt", "paper", "three-islands"),
+    ("gpt", "medium", ("a100x8-v100x8-islands-10g", "100Gbps")),
+    ("gpt", "medium", ("a100x8-v100x8-islands-10g", "400Gbps")),
+    ("bert", "paper", "hap-islands"),
+    ("gpt", "paper", "hap-islands"),
+    ("vit", "paper", "hap-islands"),
+    ("bert", "paper", "three-islands"),
+]
+
+
+def row(model: str, config: str, where, time_limit: float) -> dict:
+    cluster = with_link(*where) if isinstance(where, tuple) else hs.Cluster.load(where)
+    step, args = get(model, config, devices=cluster.num_devices)
+    t0 = time.perf_counter()
+    auto = hs.parallelize(step, cluster=cluster, time_limit=time_limit, verbose=False).plan(*args)
+    k = state_arity(step, args)
+    n = len(jax.tree.leaves(args[:k]))
+    graph = lift_program(trace(step, *args))
+    dp = data_parallel_plan(graph, cluster, num_state_leaves=n, data_inputs=graph.inputs[n:])
+    out = {"model": f"{model}-{config}", "cluster": cluster.name, "auto": auto.predicted_step_time,
+           "chosen": auto.chosen, "spmd": auto.baselines["SPMD"], "ideal": auto.baselines["ideal"],
+           "stages": len(auto.stages), "why": auto.solver.get("pipeline", "")}
+    try:
+        regions = analyse(graph, dp.tensor_layouts, dp.op_inputs, n)
+    except NotPipelineable as e:
+        out["error"] = str(e)
+        return out
+    for kind in SCHEDULES:
+        p = plan_pipeline(graph, cluster, regions, dp.tensor_layouts, n, kinds=(kind,))
+        out[kind] = (p.step, p.micros, len(p.order), p.fits) if p else None
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def table(rows) -> str:
+    head = ("| model | cluster | SPMD-only | GPipe | 1F1B | hetero-1F1B | hetero vs 1F1B | "
+            "auto picks | auto vs SPMD | ideal | auto at limit |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        def cell(kind):
+            v = r.get(kind)
+            if not v:
+                return "n/a"
+            step, m, s, fits = v
+            return f"{step:.3f} s ({s}x{m}{'' if fits else ', does not fit'})"
+        ratio = (f"{r['1f1b'][0] / r['hetero-1f1b'][0]:.2f}x" if r.get("1f1b") and r.get("hetero-1f1b")
+                 else "")
+        pick = f"pipeline, {r['stages']} stages" if r["chosen"] == "pipeline" else "SPMD"
+        lines.append(f"| {r['model']} | {r['cluster']} | {r['spmd']:.3f} s | {cell('gpipe')} | "
+                     f"{cell('1f1b')} | {cell('hetero-1f1b')} | {ratio} | {pick} | "
+                     f"{r['spmd'] / r['auto']:.2f}x | {r['ideal']:.3f} s | "
+                     f"{r['ideal'] / r['auto']:.0%} |")
+    notes = [f"- {r['model']} on {r['cluster']}: {r.get('error') or r['why']}" for r in rows]
+    return "\n".join(lines) + "\n\nWhat `pipeline=\"auto\"` said:\n\n" + "\n".join(notes) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--time-limit", type=float, default=10.0)
+    ap.add_argument("--out", help="write the markdown here (default: print)")
+    a = ap.parse_args(argv)
+    rows = []
+    for model, config, where in ROWS:
+        rows.append(row(model, config, where, a.time_limit))
+        print(table(rows[-1:]).splitlines()[2], file=sys.stderr, flush=True)
+    text = (f"# Pipelines across islands (predicted)\n\n"
+            f"Generated {datetime.date.today()} by `.venv/bin/python benchmarks/pipelines.py "
+            f"--time-limit {a.time_limit:g} --out benchmarks/PIPELINES.md` (Python "
+            f"{platform.python_version()}, jax {jax.__version__}). Step times per training step; "
+            "a pipeline cell reads `seconds (stages x microbatches)`.\n\n" + table(rows))
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
