@@ -11,7 +11,10 @@ pipeline's activations. This needs root and iproute2 (`ip`, `tc`).
 
 In one run: the link is measured (`hapsynth.profile.links`, inside the namespace), the
 compute rate calibrated from even data parallelism with every branch run once and twice
-(as `hetero.py` does); the cluster is then two islands, the fast class at that rate and
+(as `hetero.py` does), the fixed per-step cost from the step on one device alone (no
+link in it), and the link's bandwidth inside a step from the same 1:1 data-parallel
+probe (its time less work and fixed cost is its all-reduce); the cluster is then two
+islands, the fast class at that rate and
 the slow at rate / r, joined by the measured link. The best SPMD-only plan
 (`pipeline=False`) and the best pipeline (`pipeline=True`) are planned on it, lowered,
 and timed alternately (median of `reps` after warm-up); each prediction is printed
@@ -22,8 +25,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
+import time
 import uuid
 
 NAMESPACE = "hapsynth-bench"
@@ -78,10 +83,26 @@ def measure(model: str, config: str, ratio: float, reps: int, time_limit: float)
     busy = probe.breakdown["compute_per_class"]["fast"]
     work = max(t2 - t1, 1e-6)
     scale = busy / work
+    # the fixed cost of a step (dispatch, not split, not slowed), from the step on this
+    # process's device alone: no link in it, whose price would otherwise land here
+    local = jax.jit(step, device=jax.local_devices()[0])
+    out = local(*args)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(local(*out[:2], args[2]))
+        times.append(time.perf_counter() - t0)
+    overhead = max(statistics.median(times) - 2 * work, 0.0)
+    # the link as a step sees it: the probe's time less its work and the fixed cost is
+    # its gradient all-reduce; the bandwidth is scaled to make the model say so (an
+    # isolated psum sweep is faster than the same bytes inside a step)
     comm = probe.breakdown["inline_comm"] + probe.breakdown["exposed_comm"]
-    overhead = max(t1 - work - comm * 1.0, 0.0)  # dispatch and the rest, not split, not slowed
+    seen = t1 - work - overhead
+    slower = seen / comm if comm > 0 and seen > comm else 1.0
+    link = {**link, "bandwidth": link["bandwidth"] / slower, "swept_bandwidth": link["bandwidth"]}
     cluster = _islands(1e11 * scale, 1e10 * scale, ratio, link)
-    progress(f"calibrated: {1e11 * scale / 1e9:.1f} GFLOP/s, overhead {overhead * 1e3:.1f} ms")
+    progress(f"calibrated: {1e11 * scale / 1e9:.1f} GFLOP/s, overhead {overhead * 1e3:.1f} ms, "
+             f"link in a step {link['bandwidth'] / 1e6:.1f} MB/s")
     spmd = plan(cluster, pipeline=False)
     pipe = plan(cluster, pipeline=True)
     progress(f"planned: SPMD-only {spmd.predicted_step_time * 1e3:.1f} ms ({spmd.chosen}), "
@@ -98,7 +119,7 @@ def measure(model: str, config: str, ratio: float, reps: int, time_limit: float)
                          "stages": [s["island"] for s in pipe.stages],
                          "by_kind": pipe.pipeline["by_kind"]},
             "calibration": {"flops": 1e11 * scale, "overhead": overhead, "probe_1to1": t1,
-                            "probe_twice": t2}}
+                            "probe_twice": t2, "link_in_step": link["bandwidth"]}}
 
 
 @contextlib.contextmanager
@@ -112,7 +133,7 @@ def slow_loopback(rate: str):
              ["ip", "netns", "exec", name, "ip", "link", "set", "dev", "lo", "gro_max_size", "9000"],
              ["ip", "netns", "exec", name, "ip", "link", "set", "dev", "lo", "up"],
              ["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
-              "rate", rate, "burst", "256kb", "latency", "100ms"]]
+              "rate", rate, "burst", "20kb", "latency", "100ms"]]
     try:
         for cmd in steps:
             done = subprocess.run(cmd, capture_output=True, text=True)
@@ -145,8 +166,10 @@ def run(model: str = "gpt", config: str = "small", ratio: float = 2.0, reps: int
 
 def format_row(r: dict) -> str:
     m, p = r["measured"], r["predicted"]
-    lines = [f"{r['model']} at {r['ratio']}, link {r.get('link_limit', 'loopback')} (measured "
-             f"{r['link']['bandwidth'] / 1e6:.1f} MB/s, {r['link']['latency'] * 1e6:.0f} us); "
+    ln = r["link"]
+    lines = [f"{r['model']} at {r['ratio']}, link {r.get('link_limit', 'loopback')} (psum sweep "
+             f"{ln.get('swept_bandwidth', ln['bandwidth']) / 1e6:.1f} MB/s, in a step "
+             f"{ln['bandwidth'] / 1e6:.1f} MB/s, {ln['latency'] * 1e6:.0f} us); "
              f"pipeline {len(r['pipeline']['stages'])} stages x {r['pipeline']['micros']} "
              f"microbatches, {r['pipeline']['schedule']}; SPMD-only: {r['spmd_chosen']}",
              f"{'':>10} {'SPMD-only':>10} {'pipeline':>10} {'speed-up':>9}"]

@@ -53,6 +53,7 @@ ROWS = [  # (model, config, cluster): where pipelines pay, then where they do no
     ("gpt", "paper", "three-islands"),
     ("gpt", "medium", ("a100x8-v100x8-islands-10g", "100Gbps")),
     ("gpt", "medium", ("a100x8-v100x8-islands-10g", "400Gbps")),
+    ("gpt", "paper", ("a100x8-v100x8-islands-10g", "100Gbps")),
     ("bert", "paper", "hap-islands"),
     ("gpt", "paper", "hap-islands"),
     ("vit", "paper", "hap-islands"),

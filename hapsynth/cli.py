@@ -140,7 +140,7 @@ def cmd_profile(args) -> int:
         result = launch.run("hapsynth.profile:profile", {}, processes=args.processes)
     else:
         result = profile.profile()
-    text = profile.to_toml(result, name=args.name)
+    text = profile.to_toml(result, name=args.name, islands=args.islands)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
@@ -200,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--processes", type=int, default=1,
                     help="CPU: measure links between this many one-core jax.distributed processes")
     pr.add_argument("--name", default="profiled", help="the cluster's name in the TOML")
+    pr.add_argument("--islands", type=int, default=1,
+                    help="write the devices as this many equal islands joined by the measured "
+                         "link (e.g. --processes 2 --islands 2: one island per process)")
     pr.add_argument("--out", help="write the TOML to this file")
     pr.add_argument("--json", action="store_true", help="print the measurements as JSON")
     pr.set_defaults(func=cmd_profile)

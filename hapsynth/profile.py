@@ -14,6 +14,7 @@ import statistics
 import time
 
 from hapsynth.cluster import DEFAULT_LINKS, Cluster, DeviceClass, LinkLevel, catalogue, schema
+from hapsynth.cluster.values import Island
 from hapsynth.synth import collectives
 
 MATMUL_SIZES = (128, 256, 512, 1024)
@@ -138,23 +139,35 @@ def _6g(x: float) -> float:
 
 
 def to_toml(result: dict, *, name: str = "profiled", count: int | None = None,
-            memory: str | None = None) -> str:
-    """A cluster TOML of `count` devices like the profiled one (default: all of them)."""
+            memory: str | None = None, islands: int = 1) -> str:
+    """A cluster TOML of `count` devices like the profiled one (default: all of them).
+
+    `islands=K`: the devices, in order, as K islands of equal size (with `--processes`,
+    each process's devices together), each on its own host and joined to the others by
+    the measured link: the inter-island level (and the inter-host one) is what was
+    measured between the devices, the level a pipeline across them is priced on."""
     import jax
 
     c, ln = result["compute"], result["links"]
     count = count or (ln["devices"] if ln else 1)
-    devices = DeviceClass.from_catalogue(
-        _catalogue_type(c["platform"], c["device_kind"]), count, name="profiled",
-        hosts=(0,) * count, flops=_6g(c["flops"]), mem_bandwidth=_6g(c["mem_bandwidth"]),
-        memory=memory or c.get("memory") or None)
+    if islands < 1 or count % islands:
+        raise ValueError(f"{count} devices do not split into {islands} equal islands")
+    per = count // islands
+    kind = _catalogue_type(c["platform"], c["device_kind"])
+    classes = tuple(DeviceClass.from_catalogue(
+        kind, per, name="profiled" if islands == 1 else f"profiled-{k}",
+        hosts=(k,) * per, flops=_6g(c["flops"]), mem_bandwidth=_6g(c["mem_bandwidth"]),
+        memory=memory or c.get("memory") or None) for k in range(islands))
     links = DEFAULT_LINKS
     if ln:
         measured = LinkLevel("measured collectives", _6g(ln["latency"]), _6g(ln["bandwidth"]))
-        links = (measured,) + DEFAULT_LINKS[1:]
-    cluster = Cluster((devices,), links, name)
+        links = ((measured,) + DEFAULT_LINKS[1:] if islands == 1
+                 else (DEFAULT_LINKS[0], measured, measured))
+    found = tuple(Island(f"island-{k}", (k,)) for k in range(islands)) if islands > 1 else ()
+    cluster = Cluster(classes, links, name, found)
     comments = [f"written by `hapsynth profile` on {time.strftime('%Y-%m-%d')}: "
                 f"{c['device_kind']} ({c['platform']}), jax {jax.__version__}",
                 "matmul FLOP/s by size: " + ", ".join(
                     f"{n}: {v / 1e9:.3g}G" for n, v in c["matmul_flops"].items())]
-    return schema.to_toml(cluster.name, cluster.classes, cluster.links, comments=comments)
+    return schema.to_toml(cluster.name, cluster.classes, cluster.links, comments=comments,
+                          islands=cluster.islands)

@@ -151,3 +151,11 @@ def test_profile_writes_a_cluster_that_loads():
     cluster = hs.Cluster.from_toml(profile.to_toml(result, name="here"))
     assert cluster.name == "here" and cluster.num_devices == 8
     assert cluster.classes[0].flops == pytest.approx(c["flops"], rel=1e-5)
+    # as islands: each a host, joined by the measured link at the inter-island level
+    isl = hs.Cluster.from_toml(profile.to_toml(result, name="isl", islands=2))
+    assert isl.num_islands == 2 and isl.num_devices == 8
+    assert [len(isl.island_devices(k)) for k in range(2)] == [4, 4]
+    assert isl.inter_island.beta == pytest.approx(ln["bandwidth"], rel=1e-5)
+    assert isl.link_between(0, 7) == isl.inter_island
+    with pytest.raises(ValueError, match="3 equal islands"):
+        profile.to_toml(result, islands=3)

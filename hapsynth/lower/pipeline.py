@@ -16,8 +16,6 @@ state) are computed where they are read.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,59 +28,14 @@ from hapsynth.ir.rules import evaluate_block, facts, local_params
 from hapsynth.ir.signature import of_program
 from hapsynth.ir.trace import Const, Program
 from hapsynth.lower import cpu
+from hapsynth.lower.packing import Packing, Ref, bundle, pad_to, trim
+from hapsynth.lower.values import Sharded, Staged, unshard
 from hapsynth.synth.plan import Plan
 from hapsynth.synth.stages import analyse, stage_of
-from hapsynth.lower.values import Sharded, Staged, unshard
 
 __all__ = ["Pipelined", "Staged"]
 
 STAGE, DATA = "stage", "data"
-
-
-class Packing:
-    """Named arrays laid end to end in one flat buffer per dtype."""
-
-    def __init__(self, items):
-        self.slots, self.sizes = {}, {}
-        for key, shape, dtype in items:
-            k = np.dtype(dtype).name
-            n = int(np.prod(shape, dtype=np.int64))
-            self.slots[key] = (k, self.sizes.get(k, 0), tuple(shape))
-            self.sizes[k] = self.sizes.get(k, 0) + n
-
-    def pack(self, values: dict, sizes: dict) -> tuple:
-        parts = {k: [] for k in sizes}
-        for key, (k, _, shape) in self.slots.items():
-            parts[k].append(jnp.ravel(values[key]).astype(k))
-        out = []
-        for k, n in sizes.items():
-            flat = jnp.concatenate(parts[k]) if parts[k] else jnp.zeros((0,), k)
-            out.append(jnp.pad(flat, (0, n - flat.shape[0])))
-        return tuple(out)
-
-    def unpack(self, bufs: tuple, order) -> dict:
-        where = dict(zip(order, bufs))
-        return {key: where[k][off:off + int(np.prod(shape, dtype=np.int64))].reshape(shape)
-                for key, (k, off, shape) in self.slots.items()}
-
-
-def _bundle(packings) -> dict:
-    """Per dtype, the largest size among `packings` (sorted by dtype name)."""
-    sizes: dict = {}
-    for p in packings:
-        for k, n in p.sizes.items():
-            sizes[k] = max(sizes.get(k, 0), n)
-    return dict(sorted(sizes.items()))
-
-
-@dataclass
-class _Ref:
-    """A bundle of traced buffers (`bufs`, dtype order `order`) and how one stage packed it."""
-    bufs: tuple
-    order: tuple
-    packing: Packing
-    chunked: bool = False   # gathered over "data": one chunk per sending device
-    sender: int = -1
 
 
 class Pipelined:
@@ -128,7 +81,7 @@ class Pipelined:
                                         prog.avals[prog.inputs[p]].dtype)
                                        for p in range(self.nstate) if self.owner[p] == s])
                               for s in range(self.S)]
-        self.state_sizes = _bundle(self.state_packing)
+        self.state_sizes = bundle(self.state_packing)
         self.state_order = tuple(self.state_sizes)
         n_data = len(prog.inputs) - self.nstate
         in_specs = (tuple(PS(STAGE, None) for _ in self.state_order)
@@ -177,7 +130,7 @@ class Pipelined:
                     for s in range(self.S)}
         self.acc_packing = [Packing([(t, prog.avals[t].shape, prog.avals[t].dtype)
                                      for t in self.acc[s]]) for s in range(self.S)]
-        self.acc_sizes = _bundle(self.acc_packing)
+        self.acc_sizes = bundle(self.acc_packing)
         # parameters a stage reads but another stores
         needs = [set() for _ in range(self.S)]
         for i, e in enumerate(prog.eqns):
@@ -328,21 +281,22 @@ class Pipelined:
         # 2. the ticks
         acc = tuple(jnp.zeros((n,), k) for k, n in self.acc_sizes.items())
         acc_order = tuple(self.acc_sizes)
-        kept: dict = {}     # (stage, micro) -> _Ref of what F kept for B
-        inbox: dict = {}    # (stage, phase, micro) -> [_Ref]
+        kept: dict = {}     # (stage, micro) -> Ref of what F kept for B
+        inbox: dict = {}    # (stage, phase, micro) -> [Ref]
         table = self.plan.pipeline["table"]
+        unpacked = None
         for tick in sorted({row[0] for row in table}):
             acts = {row[1]: (row[2], row[3]) for row in table if row[0] == tick}
             keep_p = {s: Packing([(t, self._padded(t, s), prog.avals[t].dtype)
                                   for t in self.keeps[s]]) for s, (m, ph) in acts.items() if ph == "F"}
-            keep_sizes = _bundle(keep_p.values())
+            keep_sizes = bundle(keep_p.values())
             items: dict = {}
             for s, (m, ph) in acts.items():
                 for (b, phb), xs in sorted(self.sends.get((s, ph), {}).items()):
                     items.setdefault(b - s, {}).setdefault(s, []).extend(
                         ((b, phb, x), self._padded(x, s), prog.avals[x].dtype) for x in sorted(xs))
             send_p = {d: {s: Packing(v) for s, v in per.items()} for d, per in items.items()}
-            send_sizes = {d: _bundle(ps.values()) for d, ps in send_p.items()}
+            send_sizes = {d: bundle(ps.values()) for d, ps in send_p.items()}
             operands, slots = [], {}
 
             def take(key, ref):
@@ -355,18 +309,18 @@ class Pipelined:
                 for k, ref in enumerate(inbox.get((s, ph, m), [])):
                     take(("in", s, k), ref)
             base = len(operands)
-            operands += [*state, *acc, *[data[t] for t in self.data]]
-            for s, refs in copies.items():
-                for k, ref in enumerate(refs):
-                    take(("copy", s, k), ref)
-            entry = [False] * len(operands)
-            for j in range(len(state)):
-                entry[base + j] = True
-            for j, t in enumerate(self.data):
-                entry[base + len(state) + len(acc) + j] = t in raw
+            operands += list(acc)
+            if unpacked is None:  # each stage's parameters as arrays, once per step
+                unpacked = [self._leaves(s, {"state": list(state), "copies": [
+                    [list(r.bufs) for r in copies.get(k, [])] for k in range(S)]}, copies)
+                    for s in range(S)]
+            # state, data and parameter copies are read, never written, by every tick: the
+            # branches close over them (a hook repeating a branch repeats its work, not
+            # copies of the step's inputs)
             branches = [self._hooked(self._tick_branch(
                 g, acts, slots, base, keep_p, keep_sizes, send_p, send_sizes, acc_order, copies,
-                inbox, kept), entry) for g in range(len(self.groups))]
+                inbox, kept, unpacked, data), [False] * len(operands))
+                for g in range(len(self.groups))]
             outs = lax.switch(group, branches, *operands) if len(branches) > 1 else branches[0](*operands)
             k = 0
             acc = tuple(outs[k:k + len(acc_order)])
@@ -375,7 +329,7 @@ class Pipelined:
             k += len(keep_sizes)
             for s, (m, ph) in acts.items():
                 if ph == "F" and s in keep_p:
-                    kept[(s, m)] = _Ref(kept_bufs, tuple(keep_sizes), keep_p[s])
+                    kept[(s, m)] = Ref(kept_bufs, tuple(keep_sizes), keep_p[s])
             for d in sorted(send_p):
                 n = len(send_sizes[d])
                 bufs = tuple(outs[k:k + n])
@@ -389,7 +343,7 @@ class Pipelined:
                     m, ph = acts[s]
                     for (b, phb) in {(key[0], key[1]) for key in p.slots}:
                         inbox.setdefault((b, phb, m), []).append(
-                            _Ref(bufs, tuple(send_sizes[d]), p, chunked, s))
+                            Ref(bufs, tuple(send_sizes[d]), p, chunked, s))
 
         # 3. once per step: sums over the stage's devices, then the stages' remaining ops
         acc = tuple(lax.psum(a, DATA) for a in acc)
@@ -427,16 +381,13 @@ class Pipelined:
         return lax.switch(sidx, [make(s) for s in range(self.S)], *leaves)
 
     def _tick_branch(self, g, acts, slots, base, keep_p, keep_sizes, send_p, send_sizes,
-                     acc_order, copies, inbox, kept):
+                     acc_order, copies, inbox, kept, state, data):
         s, rows = self.groups[g]
-        prog = self.prog
         act = acts.get(s)
 
         def branch(*ops):
-            state = ops[base:base + len(self.state_order)]
-            acc = list(ops[base + len(self.state_order):
-                           base + len(self.state_order) + len(acc_order)])
-            dvals = dict(zip(self.data, ops[base + len(self.state_order) + len(acc_order):]))
+            acc = list(ops[base:base + len(acc_order)])
+            dvals = {t: data[t] for t in self.data}
             outs_keep = tuple(jnp.zeros((n,), k) for k, n in keep_sizes.items())
             outs_send = {d: tuple(jnp.zeros((n,), k) for k, n in sz.items())
                          for d, sz in send_sizes.items()}
@@ -445,22 +396,17 @@ class Pipelined:
             m, ph = act
             env = {}
             known = {}
-            own = self.state_packing[s].unpack(state, self.state_order)
-            known.update({prog.inputs[p]: v for p, v in own.items()})
-            for k, ref in enumerate(copies.get(s, [])):
-                a, n = slots[("copy", s, k)]
-                got = ref.packing.unpack(ops[a:a + n], ref.order)
-                known.update({prog.inputs[key[1]]: v for key, v in got.items()})
+            known.update(state[s])  # this stage's state, unpacked once per step
             if ph == "B" and (s, m) in kept:
                 a, n = slots[("kept", s)]
                 ref = kept[(s, m)]
                 for t, v in ref.packing.unpack(ops[a:a + n], ref.order).items():
-                    known[t] = _trim(v, self.plan.tensor_layouts[t], self._local(t, rows))
+                    known[t] = trim(v, self.plan.tensor_layouts[t], self._local(t, rows))
             for k, ref in enumerate(inbox.get((s, ph, m), [])):
                 a, n = slots[("in", s, k)]
                 known.update(self._received(ref, ops[a:a + n], s, rows))
             known.update(dvals)
-            run = self._evaluator(s, rows, m, env, lambda x: known[x] if x in known else _missing(x, s, ph, known))
+            run = self._evaluator(s, rows, m, env, lambda x: known[x])
             for i in self.core[(s, ph)]:
                 run(i)
             for t in self.acc[s]:
@@ -471,12 +417,12 @@ class Pipelined:
                     size = int(np.prod(shape, dtype=np.int64))
                     acc[j] = acc[j].at[off:off + size].add(jnp.ravel(env[t]).astype(k))
             if ph == "F" and s in keep_p:
-                outs_keep = keep_p[s].pack({t: _pad_to(env[t], self.plan.tensor_layouts[t],
+                outs_keep = keep_p[s].pack({t: pad_to(env[t], self.plan.tensor_layouts[t],
                                                        self._padded(t, s))
                                             for t in self.keeps[s]}, keep_sizes)
             for d, ps in send_p.items():
                 if s in ps:
-                    outs_send[d] = ps[s].pack({key: _pad_to(env[key[2]],
+                    outs_send[d] = ps[s].pack({key: pad_to(env[key[2]],
                                                             self.plan.tensor_layouts[key[2]],
                                                             self._padded(key[2], s))
                                                for key in ps[s].slots}, send_sizes[d])
@@ -491,7 +437,7 @@ class Pipelined:
         if not ref.chunked:
             for key, v in ref.packing.unpack(bufs, ref.order).items():
                 t = key[2]
-                out[t] = _trim(v, plan.tensor_layouts[t], self._local(t, rows))
+                out[t] = trim(v, plan.tensor_layouts[t], self._local(t, rows))
             return out
         didx = lax.axis_index(DATA)
         chunks = [ref.packing.unpack(tuple(b[j] for b in bufs), ref.order) for j in range(self.D)]
@@ -503,7 +449,7 @@ class Pipelined:
             if lay.kind != "S":
                 out[t] = jnp.stack([c[key] for c in chunks])[didx]
                 continue
-            whole = jnp.concatenate([_trim(c[key], lay, self._local(t, self.rows[a][j]))
+            whole = jnp.concatenate([trim(c[key], lay, self._local(t, self.rows[a][j]))
                                      for j, c in enumerate(chunks)], axis=lay.dim)
             scale = prog.avals[t].shape[lay.dim] // self.r.batch
             out[t] = lax.dynamic_slice_in_dim(whole, off * scale, rows * scale, axis=lay.dim)
@@ -511,7 +457,7 @@ class Pipelined:
 
     def _send_once(self, sidx, wants, values_of) -> dict:
         """Whole values sent between stages once: `wants[(src, dst)]` lists keys; the
-        sender's `values_of(src, env)` gives them. Returns dst -> [_Ref]."""
+        sender's `values_of(src, env)` gives them. Returns dst -> [Ref]."""
         by_shift: dict = {}
         for (a, b), keys in wants.items():
             if keys:
@@ -520,7 +466,7 @@ class Pipelined:
         for d, senders in sorted(by_shift.items()):
             packs = {a: Packing([(k, self._whole_shape(k), self._whole_dtype(k)) for k in keys])
                      for a, (b, keys) in senders.items()}
-            sizes = _bundle(packs.values())
+            sizes = bundle(packs.values())
 
             def branch(a, packs=packs, sizes=sizes):
                 def f():
@@ -534,7 +480,7 @@ class Pipelined:
             bufs = lax.switch(sidx, fns)
             bufs = tuple(lax.ppermute(b, STAGE, [(a, a + d) for a in senders]) for b in bufs)
             for a, (b, _) in senders.items():
-                got.setdefault(b, []).append(_Ref(bufs, tuple(sizes), packs[a], sender=a))
+                got.setdefault(b, []).append(Ref(bufs, tuple(sizes), packs[a], sender=a))
         return got
 
     def _whole_shape(self, key):
@@ -608,7 +554,7 @@ class Pipelined:
                     for s in range(S)}
             packs = [Packing([(t, prog.avals[t].shape, prog.avals[t].dtype) for t in made[s]])
                      for s in range(S)]
-            sizes = _bundle(packs)
+            sizes = bundle(packs)
 
             def rnd(s, c, k=k, packs=packs, sizes=sizes):
                 known, env = view(s, c)
@@ -734,20 +680,3 @@ class Pipelined:
         return self.run(jax.tree.flatten(args, is_leaf=lambda v: isinstance(v, (Sharded, Staged)))[0])
 
 
-def _trim(v, lay, shape):
-    """A padded S value cut to `shape` (its rows on this device)."""
-    if lay.kind == "S" and v.shape[lay.dim] != shape[lay.dim]:
-        return lax.slice_in_dim(v, 0, shape[lay.dim], axis=lay.dim)
-    return v
-
-
-def _pad_to(v, lay, shape):
-    if lay.kind == "S" and v.shape[lay.dim] != shape[lay.dim]:
-        pad = [(0, 0)] * v.ndim
-        pad[lay.dim] = (0, shape[lay.dim] - v.shape[lay.dim])
-        return jnp.pad(v, pad)
-    return v
-
-
-def _missing(x, s, ph, known):
-    raise KeyError(f"t{x} on stage {s} {ph}; known {sorted(known)[:40]}")

@@ -5,7 +5,9 @@ some order of the islands, each stage a contiguous range of ranks (`stages.py`),
 parallel inside its devices at FLOP/s-proportional rows (uneven
 where the island mixes classes). Priced per microbatch: every stage's forward and
 backward at its rows; each tensor crossing a boundary over the link between the two
-islands; the schedule simulated (`pipeschedule.py`) for its bubbles. Once per step: the
+islands; the schedule simulated (`pipeschedule.py`) for its order, then priced in lock step
+as the lowering runs it (`lockstep`: a tick starts when the previous one's longest work
+ends and what it reads has arrived). Once per step: the
 parameters a stage reads but does not store (tied embeddings) arrive first; after its
 last backward a stage all-reduces its gradients inside its island, receives the sums
 other stages made for its parameters, and runs its optimizer. Memory per device: its
@@ -25,13 +27,19 @@ from hapsynth.cluster import Cluster
 from hapsynth.ir.graph import Graph
 from hapsynth.synth.collectives import all_reduce
 from hapsynth.synth.costmodel import compute_time
-from hapsynth.synth.pipeschedule import PipeSchedule, schedule
+from hapsynth.synth.pipeschedule import PipeSchedule, Slot, schedule
 from hapsynth.synth.plan import Plan
 from hapsynth.synth.stages import Regions, stage_of
 
 __all__ = ["Pipeline", "plan_pipeline", "rows_of", "islands_of"]
 
 SCHEDULES = ("gpipe", "1f1b", "hetero-1f1b")
+
+#: Seconds each op costs beyond its work, per run (a kernel launch on a GPU, a thunk of
+#: XLA's CPU runtime). SPMD plans run every op once, so it does not tell them apart; a
+#: pipeline runs its per-example ops once per microbatch, so it pays it M - 1 more times.
+OP_OVERHEAD = {"CPU": 1e-5}
+OP_OVERHEAD_GPU = 2e-6
 
 
 @dataclass(frozen=True)
@@ -193,6 +201,9 @@ class _Evaluator:
         self.leaf = {t: i for i, t in enumerate(graph.inputs[:num_state_leaves])}
         # the partial sums each microbatch adds to: summed in the island after the last one
         self._scans: dict = {}
+        # XLA on CPU runs a collective where it stands; on GPUs it overlaps later work
+        self.overlap = any(c.type != "CPU" for c in cluster.classes)
+        self.op_overhead = max(OP_OVERHEAD.get(c.type, OP_OVERHEAD_GPU) for c in cluster.classes)
         self.partials = {t for op in graph.ops if regions.region[op.id] == "micro"
                          for t in op.outputs if layouts[t].kind == "P"}
 
@@ -211,6 +222,7 @@ class _Evaluator:
         once = np.zeros((S, S))          # bytes per step a -> b after the microbatches (sums)
         acc, resid = [0.0] * S, [0.0] * S
         needs: list[set] = [set() for _ in range(S)]
+        nops = [[0, 0] for _ in range(S)]   # per stage: forward and backward ops
         seen: set = set()
         for op in g.ops:
             i, reg, s = op.id, r.region[op.id], st[op.id]
@@ -218,8 +230,10 @@ class _Evaluator:
                 t = costs.micro(i, order[s])
                 if r.forward[i]:
                     fwd[s] += t
+                    nops[s][0] += 1
                 else:
                     bwd[s] += t
+                    nops[s][1] += 1
                 acc[s] += sum(g.tensors[o].nbytes for o in op.outputs if o in self.partials)
             elif reg == "post":
                 whole[s] += costs.whole(i, order[s])
@@ -251,7 +265,7 @@ class _Evaluator:
                 else:
                     once[a, s] += g.tensors[x].nbytes
         out = dict(owner=owner, fwd=fwd, bwd=bwd, whole=whole, send=send, once=once, acc=acc,
-                   resid=resid, needs=needs)
+                   resid=resid, needs=needs, nops=nops)
         self._scans[key] = out
         return out
 
@@ -262,8 +276,9 @@ class _Evaluator:
         sc = self.scan(order, cuts)
         owner, whole, once, acc, needs = (sc[k] for k in ("owner", "whole", "once", "acc", "needs"))
         g = self.g
-        fwd = [x / M for x in sc["fwd"]]
-        bwd = [x / M for x in sc["bwd"]]
+        extra = self.op_overhead * (M - 1) / M  # per op and microbatch, see OP_OVERHEAD
+        fwd = [x / M + n * extra for x, (n, _) in zip(sc["fwd"], sc["nops"])]
+        bwd = [x / M + n * extra for x, (_, n) in zip(sc["bwd"], sc["nops"])]
         send = sc["send"] / M
         resid = [x / M for x in sc["resid"]]
         rows = tuple(rows_of(cluster, devs, r.batch // M) for devs in islands)
@@ -295,7 +310,10 @@ class _Evaluator:
         memory_cap = [max(1, int((cap[s] - fixed[s]) // per_micro[s])) - 1 if per_micro[s] else M
                       for s in range(S)]
         try:
-            sch = schedule(kind, fwd, bwd, M, fw, bw, memory_cap=memory_cap)
+            def run(x):
+                return lockstep(x, fwd, bwd, fw, bw, overlap=self.overlap)
+            sch = run(schedule(kind, fwd, bwd, M, fw, bw, memory_cap=memory_cap,
+                               cost=lambda x: run(x).makespan))
         except RuntimeError:
             return None
         tail = []
@@ -303,8 +321,7 @@ class _Evaluator:
             sync = all_reduce(cluster, acc[s], islands[s])
             recv = sum(seconds(a, s, once[a, s]) for a in range(S) if a != s)
             tail.append(sync + recv + whole[s])
-        last_b = [max(x.end for x in sch.slots if x.stage == s) for s in range(S)]
-        step = head + max(e + t for e, t in zip(last_b, tail))
+        step = head + sch.makespan + max(tail)  # the once-per-step rounds run in step too
         memory = tuple(fixed[s] + (sch.in_flight[s] + 1) * per_micro[s] for s in range(S))
         fits = all(m <= c for m, c in zip(memory, cap))
         return Pipeline(tuple(order), tuple(cuts), M, kind, step, sch, tuple(fwd), tuple(bwd),
@@ -323,6 +340,38 @@ class _Evaluator:
                 elif x in self.producer and self.r.region[self.producer[x]] == "pre":
                     stack.append(self.producer[x])
         return out
+
+
+def lockstep(sch: PipeSchedule, fwd, bwd, send, send_back, overlap: bool = True) -> PipeSchedule:
+    """`sch` as the lowering runs it: its table of ticks (`ticks`), each tick's work in one
+    switch on every device, so a tick starts when the previous one's longest work ends.
+    Transfers follow the work that makes them, one at a time per link and direction;
+    with `overlap` (asynchronous collectives, as XLA schedules them on GPUs) a transfer
+    runs under later ticks and only the tick reading it waits for it; without (XLA on
+    CPU runs a collective where it stands) each tick also waits for its transfers."""
+    S = sch.stages
+    rows = ticks(sch)
+    slots, arrive, link_free = [], {}, {}
+    end = 0.0
+    for t in sorted({r[0] for r in rows}):
+        work = [(s, m, ph) for tt, s, m, ph in rows if tt == t]
+        start = max([end] + [arrive.get((ph, s, m), 0.0) for s, m, ph in work])
+        length = [fwd[s] if ph == "F" else bwd[s] for s, _, ph in work]
+        end = start + max(length)
+        slots += [Slot(s, m, ph, start, start + d) for (s, m, ph), d in zip(work, length)]
+        moved = end
+        for s, m, ph in work:  # what this tick sends, in order on each link direction
+            if ph == "F" and s < S - 1:
+                key, dur, dst = ("F", s), send[s], ("F", s + 1, m)
+            elif ph == "B" and s > 0:
+                key, dur, dst = ("B", s - 1), send_back[s - 1], ("B", s - 1, m)
+            else:
+                continue
+            arrive[dst] = link_free[key] = max(end, link_free.get(key, 0.0)) + dur
+            moved = max(moved, arrive[dst])
+        if not overlap:
+            end = moved
+    return PipeSchedule(sch.kind, S, sch.micros, tuple(slots), end, sch.in_flight, sch.depths)
 
 
 def ticks(sch: PipeSchedule) -> list[tuple[int, int, int, str]]:

@@ -72,10 +72,12 @@ class PipeSchedule:
 
 
 def schedule(kind: str, forward, backward, micros: int, send=None, send_back=None,
-             memory_cap=None) -> PipeSchedule:
+             memory_cap=None, cost=None) -> PipeSchedule:
     """The `kind` schedule (one of `KINDS`) of `micros` microbatches over the stages
     given by per-stage `forward` and `backward` seconds and per-boundary transfer
-    seconds; `memory_cap[s]` bounds hetero-1f1b's activations in flight on stage s."""
+    seconds; `memory_cap[s]` bounds hetero-1f1b's activations in flight on stage s;
+    `cost(schedule)` is what hetero-1f1b's search minimises (default: the makespan; a
+    lowering that runs the schedule another way prices it its own way)."""
     S = len(forward)
     if len(backward) != S or S < 1 or micros < 1:
         raise ValueError(f"need as many backward as forward times (got {len(forward)} and "
@@ -92,7 +94,7 @@ def schedule(kind: str, forward, backward, micros: int, send=None, send_back=Non
     if kind == "1f1b":
         return _run(kind, times, micros, orders=[_one_f_one_b(S, s, micros) for s in range(S)])
     if kind == "hetero-1f1b":
-        return _adaptive(times, micros, memory_cap)
+        return _adaptive(times, micros, memory_cap, cost or (lambda x: x.makespan))
     raise ValueError(f"unknown schedule {kind!r}; one of {', '.join(KINDS)}")
 
 
@@ -109,25 +111,27 @@ def _one_f_one_b(S: int, s: int, M: int) -> list[tuple[str, int]]:
     return out
 
 
-def _adaptive(times, micros: int, memory_cap) -> PipeSchedule:
+def _adaptive(times, micros: int, memory_cap, cost) -> PipeSchedule:
     """hetero-1f1b: the best warm-up depths per stage, from 1F1B's upward (a small
-    search: each stage may keep up to two more microbatches in flight, within its cap)."""
+    search: each stage may keep 1, 2 or 4 more microbatches in flight, within its cap)."""
     S = len(times[0])
     base = [min(S - s, micros) for s in range(S)]
     cap = [micros if memory_cap is None else max(1, min(micros, int(memory_cap[s])))
            for s in range(S)]
-    choices = [sorted({min(c, b + k) for k in range(3)}) for b, c in zip(base, cap)]
+    choices = [sorted({min(c, b + k) for k in (0, 1, 2, 4)}) for b, c in zip(base, cap)]
     best = None
     if all(b <= c for b, c in zip(base, cap)):  # plain 1F1B fits: never do worse than it
         plain = _run("hetero-1f1b", times, micros,
                      orders=[_one_f_one_b(S, s, micros) for s in range(S)])
         best = PipeSchedule(plain.kind, S, micros, plain.slots, plain.makespan, plain.in_flight,
                             tuple(base))
+    best_cost = None if best is None else cost(best)
     for depths in product(*choices) if _count(choices) <= 729 else [tuple(
             min(c, b + 2) for b, c in zip(base, cap))]:
         run = _run("hetero-1f1b", times, micros, depths=depths)
-        if best is None or run.makespan < best.makespan * (1 - 1e-12):
-            best = run
+        c = cost(run)
+        if best is None or c < best_cost * (1 - 1e-12):
+            best, best_cost = run, c
     return best
 
 

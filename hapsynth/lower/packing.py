@@ -1,0 +1,74 @@
+"""Values packed into flat buffers, one per dtype: how a pipelined program keeps, sends
+and stores what differs in shape from stage to stage (branches of one `lax.switch` must
+return equal shapes, so each pads its buffers to the largest branch's)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+__all__ = ["Packing", "Ref", "bundle", "trim", "pad_to"]
+
+
+class Packing:
+    """Named arrays laid end to end in one flat buffer per dtype."""
+
+    def __init__(self, items):
+        self.slots, self.sizes = {}, {}
+        for key, shape, dtype in items:
+            k = np.dtype(dtype).name
+            n = int(np.prod(shape, dtype=np.int64))
+            self.slots[key] = (k, self.sizes.get(k, 0), tuple(shape))
+            self.sizes[k] = self.sizes.get(k, 0) + n
+
+    def pack(self, values: dict, sizes: dict) -> tuple:
+        parts = {k: [] for k in sizes}
+        for key, (k, _, shape) in self.slots.items():
+            parts[k].append(jnp.ravel(values[key]).astype(k))
+        out = []
+        for k, n in sizes.items():
+            flat = jnp.concatenate(parts[k]) if parts[k] else jnp.zeros((0,), k)
+            out.append(jnp.pad(flat, (0, n - flat.shape[0])))
+        return tuple(out)
+
+    def unpack(self, bufs: tuple, order) -> dict:
+        where = dict(zip(order, bufs))
+        return {key: where[k][off:off + int(np.prod(shape, dtype=np.int64))].reshape(shape)
+                for key, (k, off, shape) in self.slots.items()}
+
+
+def bundle(packings) -> dict:
+    """Per dtype, the largest size among `packings` (sorted by dtype name)."""
+    sizes: dict = {}
+    for p in packings:
+        for k, n in p.sizes.items():
+            sizes[k] = max(sizes.get(k, 0), n)
+    return dict(sorted(sizes.items()))
+
+
+@dataclass
+class Ref:
+    """A bundle of traced buffers (`bufs`, dtype order `order`) and how one stage packed it."""
+    bufs: tuple
+    order: tuple
+    packing: Packing
+    chunked: bool = False   # gathered over "data": one chunk per sending device
+    sender: int = -1
+
+
+
+def trim(v, lay, shape):
+    """A padded S value cut to `shape` (its rows on this device)."""
+    if lay.kind == "S" and v.shape[lay.dim] != shape[lay.dim]:
+        return lax.slice_in_dim(v, 0, shape[lay.dim], axis=lay.dim)
+    return v
+
+
+def pad_to(v, lay, shape):
+    if lay.kind == "S" and v.shape[lay.dim] != shape[lay.dim]:
+        pad = [(0, 0)] * v.ndim
+        pad[lay.dim] = (0, shape[lay.dim] - v.shape[lay.dim])
+        return jnp.pad(v, pad)
+    return v
