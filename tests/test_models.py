@@ -25,8 +25,12 @@ def test_registry_names_and_errors():
         get("nope")
     with pytest.raises(ValueError, match="tiny"):
         get("mlp", "huge")
-    for name in NAMES:
-        assert set(ZOO[name].CONFIGS) == {"tiny", "small", "paper"}
+    for name in NAMES:  # GPT-2-medium ("medium") is the pipeline benchmark's size
+        assert set(ZOO[name].CONFIGS) == {"tiny", "small", "paper", *(["medium"] if name == "gpt" else [])}
+    with pytest.raises(ValueError, match="unknown config 'medium'"):
+        get("bert", "medium")
+    cfg = ZOO["gpt"].config("medium", devices=16)
+    assert (cfg.layers, cfg.d, cfg.seq, cfg.batch) == (24, 1024, 1024, 64)  # whatever the devices
 
 
 @pytest.mark.parametrize("name", NAMES)
