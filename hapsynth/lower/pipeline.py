@@ -124,9 +124,12 @@ class Pipelined:
             for (a, pha), xs in srcs.items():
                 if a != b:
                     self.sends.setdefault((a, pha), {}).setdefault((b, phb), set()).update(xs)
+        # the partial sums read once per step (by post ops, or as outputs): accumulated
+        later = {x for i, e in enumerate(prog.eqns) if r.region[i] == "post" for x in e.inputs
+                 if isinstance(x, int)} | {o for o in prog.outputs if isinstance(o, int)}
         self.acc = {s: sorted({t for i in self.core[(s, "F")] + self.core[(s, "B")]
                                for t in prog.eqns[i].outputs
-                               if self.plan.tensor_layouts[t].kind == "P" and self._read_later(t)})
+                               if self.plan.tensor_layouts[t].kind == "P" and t in later})
                     for s in range(self.S)}
         self.acc_packing = [Packing([(t, prog.avals[t].shape, prog.avals[t].dtype)
                                      for t in self.acc[s]]) for s in range(self.S)]
@@ -137,30 +140,10 @@ class Pipelined:
             s = self.stage[i]
             if s < 0 or r.region[i] == "pre":
                 continue
-            needs[s] |= self._leaves_of(e.inputs)
+            needs[s] |= r.reads[i]
         for s, outs in enumerate(self._output_needs()):
             needs[s] |= outs
         self.copies = [sorted(p for p in needs[s] if self.owner[p] != s) for s in range(self.S)]
-
-    def _read_later(self, t) -> bool:
-        """Is partial sum `t` read by a post op or as an output (so it is accumulated)?"""
-        r = self.r
-        if t in self.prog.outputs:
-            return True
-        return any(r.region[i] == "post" for i, e in enumerate(self.prog.eqns) if t in e.inputs)
-
-    def _leaves_of(self, inputs) -> set:
-        out, stack, seen = set(), list(inputs), set()
-        while stack:
-            x = stack.pop()
-            if not isinstance(x, int) or x in seen:
-                continue
-            seen.add(x)
-            if x in self.leaf:
-                out.add(self.leaf[x])
-            elif x in self.producer and self.r.region[self.producer[x]] == "pre":
-                stack += list(self.prog.eqns[self.producer[x]].inputs)
-        return out
 
     def _output_needs(self):
         """Outputs made from state alone (a state input, or by pre ops): a state output on
@@ -172,7 +155,7 @@ class Pipelined:
             if not isinstance(o, int) or not (o in self.leaf or o in self.producer and
                                               self.r.region[self.producer[o]] == "pre"):
                 continue
-            leaves = self._leaves_of([o])
+            leaves = {self.leaf[o]} if o in self.leaf else set(self.r.reads[self.producer[o]])
             s = self.owner[i] if i < self.nstate else self.owner[min(leaves)] if leaves else 0
             self.out_stage.setdefault(o, s)
             needs[s] |= leaves

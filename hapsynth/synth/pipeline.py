@@ -249,7 +249,7 @@ class _Evaluator:
                 if j is None:
                     continue
                 if r.region[j] == "pre":
-                    needs[s] |= self._leaves(j)
+                    needs[s] |= r.reads[j]
                     continue
                 a = st[j]
                 key = (x, s, reg == "micro" and not r.forward[i])
@@ -326,20 +326,6 @@ class _Evaluator:
         fits = all(m <= c for m, c in zip(memory, cap))
         return Pipeline(tuple(order), tuple(cuts), M, kind, step, sch, tuple(fwd), tuple(bwd),
                         tuple(tail), head, tuple(fw), tuple(bw), memory, fits, rows)
-
-    def _leaves(self, j) -> set:
-        out, stack, seen = set(), [j], set()
-        while stack:
-            k = stack.pop()
-            if k in seen:
-                continue
-            seen.add(k)
-            for x in self.g.ops[k].inputs:
-                if x in self.leaf:
-                    out.add(self.leaf[x])
-                elif x in self.producer and self.r.region[self.producer[x]] == "pre":
-                    stack.append(self.producer[x])
-        return out
 
 
 def lockstep(sch: PipeSchedule, fwd, bwd, send, send_back, overlap: bool = True) -> PipeSchedule:

@@ -42,6 +42,7 @@ class Regions:
     rank: tuple[int, ...]
     owner_rank: tuple[int, ...]
     batch: int
+    reads: tuple[frozenset, ...] = ()  # per op: the state leaves it reads, itself or by pre ops
 
     def cut_points(self) -> list[int]:
         """Ranks where a stage may start: the first forward use of each parameter."""
@@ -237,7 +238,8 @@ def analyse(graph: Graph, layouts, op_inputs, num_state_leaves: int) -> Regions:
     rank = [r if r >= 0 or region[i] in ("pre", "data") or input_only[i] else 0
             for i, r in enumerate(rank)]
     owner = [max(0, r) for r in owner]
-    return Regions(tuple(region), tuple(forward), tuple(rank), tuple(owner), batch)
+    return Regions(tuple(region), tuple(forward), tuple(rank), tuple(owner), batch,
+                   tuple(frozenset(p) for p in params_of))
 
 
 def _size(graph: Graph, t: int) -> int:
