@@ -69,6 +69,7 @@ def test_stage_analysis_of_a_tied_gpt():
             assert stage_of(r.rank[producer[out]], cut) == stage_of(r.owner_rank[i], cut)
 
 
+@pytest.mark.slow  # traces two outside models (~14 s): run by .ci/run
 def test_steps_that_cannot_run_as_microbatches_say_why():
     from test_elsewhere import get as elsewhere
     for name, why in (("haiku_resnet", "summed over the whole batch"),
