@@ -201,3 +201,25 @@ def test_more_devices_than_jax_sees_is_a_clear_error():
     big = hs.Cluster.load("a100x8-v100x8-100g")  # 16 devices; the tests have 8
     with pytest.raises(hs.ClusterError, match=r"16 devices.*only 8"):
         hs.parallelize(step, cluster=big, time_limit=1)(*args)
+
+
+@pytest.mark.parametrize("form", ["body", "branch"])
+def test_both_loop_forms_equal_one_device(form):
+    """A scan over time lowered either way (benchmarks/loops.py times them) gives the
+    single-device step's results; the branch form is taken by both scans (forward and
+    backward), whose bodies need no collective."""
+    from hapsynth.api import signature_of
+    from hapsynth.lower.program import Lowered
+    from hapsynth_bench.loops import rnn
+
+    step, args = rnn(batch=64, steps=6, width=32)
+    par = hs.parallelize(step, cluster=CLUSTERS["1+1+2+4"](), time_limit=1)
+    plan = par.plan(*args)
+    prog = par._programs[signature_of(args)]
+    low = Lowered(prog, plan, local_devices(par.cluster), loop_form=form)
+    assert low.mode == "shard_map" and any(f >= 0 for f in plan.op_factors)  # uneven split
+    got, want = low(*args), jax.jit(step)(*args)
+    compare(hs.gather(got), want)
+    got, want = low(*got[:2], *args[2:]), jax.jit(step)(*want[:2], *args[2:])
+    compare(hs.gather(got), want)
+    assert len(low.branch_loops) == (2 if form == "branch" else 0)

@@ -44,11 +44,13 @@ class Segments:
     units: dict
     keep: frozenset
 
-    def run(self, seg: Sequence[int], ext: dict, dev: int | None, exports) -> list:
+    def run(self, seg: Sequence[int], ext: dict, dev: int | None, exports,
+            pad: bool = True) -> list:
         """Evaluate a segment's ops for the devices of `dev`'s group (None: full size).
 
-        `ext` maps (tensor, layout) of operands made before the segment to stored values;
-        returns the `exports`, S-layout ones padded back to their stored size."""
+        `ext` maps (tensor, layout) of operands made before the segment to stored values
+        (S ones may already be cut to the group's rows); returns the `exports`, S-layout
+        ones padded back to their stored size unless `pad` is False."""
         prog, plan = self.prog, self.plan
         local = {}
 
@@ -58,10 +60,7 @@ class Segments:
             if x in local:
                 return local[x]
             v = ext[(x, need)]
-            if dev is not None and need.kind == "S":
-                rows = Geometry.of(need, prog.avals[x].shape, self.units).rows[dev]
-                v = lax.slice_in_dim(v, 0, rows, axis=need.dim)
-            return v
+            return v if dev is None else self.cut(v, need, prog.avals[x].shape, dev)
 
         for op_id in seg:
             eqn = prog.eqns[op_id]
@@ -79,13 +78,26 @@ class Segments:
         result = []
         for t in exports:
             v, lay = local[t], plan.tensor_layouts[t]
-            if lay.kind == "S" and dev is not None:
-                pad = [(0, 0)] * v.ndim
-                pad[lay.dim] = (0, Geometry.of(lay, prog.avals[t].shape, self.units).pad
-                                - v.shape[lay.dim])
-                v = jnp.pad(v, pad)
+            if pad and dev is not None:
+                v = self.pad(v, lay, prog.avals[t].shape)
             result.append(v)
         return result
+
+    def cut(self, v, lay, shape, dev: int):
+        """Stored value `v` of an S `lay` (global `shape`) cut to `dev`'s group's rows."""
+        if lay.kind != "S":
+            return v
+        return lax.slice_in_dim(v, 0, Geometry.of(lay, shape, self.units).rows[dev], axis=lay.dim)
+
+    def pad(self, v, lay, shape, dim: int | None = None):
+        """A group's value of an S `lay` padded back to its stored rows (on `dim`, when
+        the value has gained leading axes, as a loop's stacked results have)."""
+        if lay.kind != "S":
+            return v
+        dim = lay.dim if dim is None else dim
+        widths = [(0, 0)] * v.ndim
+        widths[dim] = (0, Geometry.of(lay, shape, self.units).pad - v.shape[dim])
+        return jnp.pad(v, widths)
 
     def _local_shapes(self, eqn, dev: int) -> list[list[int]]:
         """The results' shapes on `dev`'s group: S dims cut to the group's rows."""

@@ -35,12 +35,18 @@ class Lowered:
     """A plan bound to a traced program and a mesh; call it with global or Sharded args."""
 
     def __init__(self, prog: Program, plan: Plan, devices, *, gspmd: bool = True,
-                 donate=(), branch_hook: BranchHook | None = None):
+                 donate=(), branch_hook: BranchHook | None = None, loop_form: str = "body"):
         """`donate`: flat input leaves whose stored buffers the step may reuse (as
         `jax.jit`'s donate_argnums, per leaf); a donated `Sharded` input is deleted.
         `gspmd=False` forces the `shard_map` program on an even plan. `branch_hook`:
-        measurement harnesses only (hook.py); the program is then always `shard_map`."""
+        measurement harnesses only (hook.py); the program is then always `shard_map`.
+        `loop_form`: "body" runs every loop as a scan whose body switches per segment;
+        "branch" runs a loop whose body needs no collective as one switch whose branches
+        scan (benchmarks/loops.py measures both; `branch_loops`: the loops that took it)."""
+        if loop_form not in ("branch", "body"):
+            raise ValueError(f"loop_form must be 'branch' or 'body', got {loop_form!r}")
         plan.check(of_program(prog))
+        self.loop_form, self.branch_loops = loop_form, set()
         self.prog, self.plan = prog, plan
         donate = tuple(sorted(set(donate)))
         self.mesh = Mesh(np.asarray(devices), (AXIS,))
@@ -272,6 +278,8 @@ class _Run:
         summed = [i for i, s in enumerate(lp.stacks)
                   if plan.tensor_layouts[eqns[s].outputs[0]].kind == "P"
                   and (eqns[s].outputs[0], R) in low.forms]
+        if low.loop_form == "branch" and not summed and self.scan_in_branches(item, init, xs):
+            return
 
         def body(carry, x):
             env = dict(outer_env)
@@ -295,6 +303,78 @@ class _Run:
         for i, (e, v) in enumerate(zip(stacks, ys)):
             self.env[e.outputs[0]] = (v, R if i in summed else plan.tensor_layouts[e.outputs[0]])
 
+    def scan_in_branches(self, item: schedule.LoopSchedule, init, xs) -> bool:
+        """A loop whose body is one segment with no conversion in it, run as one switch
+        whose branches each scan at their group's sizes: carries stay cut to the group's
+        rows through the loop and a device picks its branch once, not once per iteration.
+        False (nothing done) when the body needs a collective or its layouts change."""
+        low, plan, eqns, avals = self.low, self.low.plan, self.low.prog.eqns, self.low.prog.avals
+        lp, lays = item.loop, plan.tensor_layouts
+        if len(item.segments) != 1:
+            return False
+        seg = item.segments[0]
+        carries, slices, stacks = ([eqns[i] for i in ids] for ids in (lp.carries, lp.slices, lp.stacks))
+        ends = [c.inputs[1] for c in carries] + [e.inputs[0] for e in stacks]
+        needs = [plan.op_inputs[c][1] for c in lp.carries] + [plan.op_inputs[s][0] for s in lp.stacks]
+        made = {t for o in seg for t in eqns[o].outputs}
+        inner = {c.outputs[0] for c in carries} | {e.outputs[0] for e in slices}
+        keys = schedule.operands(eqns, plan.op_inputs, seg)
+        if (any(t in made | inner and lays[t] != n for t, n in zip(ends, needs))
+                or any(t in inner and lays[t] != n for t, n in keys)
+                or any(lays[c.outputs[0]] != plan.op_inputs[i][0] for c, i in zip(carries, lp.carries))
+                or not all(_stacked(lays[e.outputs[0]], plan.op_inputs[i][0])
+                           for e, i in zip(slices, lp.slices))
+                or not all(_stacked(n, lays[e.outputs[0]]) for e, n in zip(stacks, needs[len(carries):]))):
+            return False
+        # an end the segment does not make passes through: a carry or slice read as it
+        # came in, or a value from before the loop (taken in its needed layout)
+        outer = [k for k in keys if k[0] not in inner]
+        outer += [k for k in zip(ends, needs) if k[0] not in made | inner and k not in outer]
+        made_ends = [t for t in ends if t in made]
+        arg_keys = ([(c.inputs[0], plan.op_inputs[i][0]) for c, i in zip(carries, lp.carries)]
+                    + [(e.inputs[0], plan.op_inputs[i][0]) for e, i in zip(slices, lp.slices)] + outer)
+        n_c, n_x, ev = len(carries), len(slices), low._eval
+
+        def branch(dev):
+            # carries and loop-invariant operands are cut to the group's rows once; each
+            # iteration's slice is cut, and its stacked values padded, in the body (a
+            # stacked value cut or padded whole would be copied whole)
+            def run(*args):
+                cut = [v if i in range(n_c, n_c + n_x) else ev.cut(v, k[1], avals[k[0]].shape, dev)
+                       for i, (v, k) in enumerate(zip(args, arg_keys))]
+                base = dict(zip(outer, cut[n_c + n_x:]))
+
+                def body(carry, x):
+                    ext = dict(base)
+                    ext.update(((c.outputs[0], lays[c.outputs[0]]), v) for c, v in zip(carries, carry))
+                    ext.update(((t, lays[t]), ev.cut(v, lays[t], avals[t].shape, dev))
+                               for t, v in zip((e.outputs[0] for e in slices), x))
+                    ext.update(zip(((t, lays[t]) for t in made_ends),
+                                   ev.run(seg, ext, dev, made_ends, pad=False)))
+                    res = [ext[(t, n)] for t, n in zip(ends, needs)]
+                    return res[:n_c], [ev.pad(v, n, avals[t].shape)
+                                       for v, t, n in zip(res[n_c:], ends[n_c:], needs[n_c:])]
+
+                final, ys = lax.scan(body, cut[:n_c], cut[n_c:n_c + n_x], length=lp.length,
+                                     reverse=lp.reverse)
+                final = [ev.pad(v, n, avals[c.inputs[1]].shape) for v, n, c in zip(final, needs, carries)]
+                return (*final, *ys)
+            return run
+
+        sharded = any(plan.op_factors[o] >= 0 for o in seg) and len(low.group_rep) > 1
+        fns = [branch(d) for d in (low.group_rep if sharded else low.group_rep[:1])]
+        if low.hook is not None:
+            entry = tuple(k in self.entry_keys for k in arg_keys)
+            fns = [low.hook.wrap(f, entry, self.extra) for f in fns]
+        args = [*init, *xs, *(self.value(*k) for k in outer)]
+        outs = branches.switch(self.group, fns, args)
+        low.branch_loops.add(lp.start)
+        for c, v, n in zip(carries, outs[:n_c], needs):
+            self.env[c.inputs[1]] = (v, n)
+        for e, v in zip(stacks, outs[n_c:]):
+            self.env[e.outputs[0]] = (v, lays[e.outputs[0]])
+        return True
+
     def value(self, x, need):
         """Operand `x` in layout `need` (converting it here if it is not yet)."""
         if isinstance(x, Const):
@@ -302,3 +382,10 @@ class _Run:
         if (x, need) not in self.converted:
             self.convert([(x, need)])
         return self.converted[(x, need)]
+
+
+def _stacked(one: Layout, stacked: Layout) -> bool:
+    """Whether `stacked` (a loop's stacked value) splits like `one` (an iteration's)."""
+    if one.kind != stacked.kind:
+        return False
+    return one.kind != "S" or (stacked.dim == one.dim + 1 and stacked.units == one.units)
