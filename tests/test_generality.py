@@ -256,3 +256,33 @@ def test_block_reads_twice_in_one_loop_and_a_loop_that_never_runs():
         par = hs.parallelize(step, cluster="cpu-2-6", time_limit=1)
         assert (par.lowered(w, batch).prog.input_views or (None, None))[1] == view
         _assert_steps_equal_jit(par, step, w, batch, steps=2)
+
+
+def test_bf16_gradients_are_summed_in_bf16_where_they_are_made():
+    """Mixed precision (bf16 compute, f32 master weights): the gradients' all-reduce is on
+    the bf16 values as the backward pass makes them (half the bytes, overlapping it), not
+    on their f32 up-casts made after it, and the step still equals one device's."""
+    def loss_fn(p, x, y):
+        h = jnp.tanh(x.astype(jnp.bfloat16) @ p["w1"])
+        return ((h @ p["w2"]).astype(jnp.float32) - y) ** 2
+
+    def step(params, x, y):
+        p16 = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+        loss, g = jax.value_and_grad(lambda p: loss_fn(p, x, y).mean())(p16)
+        g = jax.tree.map(lambda v: v.astype(jnp.float32), g)
+        return jax.tree.map(lambda p, d: p - 0.1 * d, params, g), loss
+
+    k = jax.random.split(jax.random.key(0), 4)
+    params = {"w1": jax.random.normal(k[0], (512, 512)) / 16,
+              "w2": jax.random.normal(k[1], (512, 256)) / 16}
+    x, y = jax.random.normal(k[2], (256, 512)), jax.random.normal(k[3], (256, 256))
+    par = hs.parallelize(step, cluster="cpu-2-6", strategy="data-parallel")
+    plan = par.plan(params, x, y)
+    _, graph = lift(step, params, x, y)
+    synced = [c for c in plan.conversions if c.deferred and c.collective == "all_reduce"]
+    assert {str(graph.tensors[c.tensor].dtype) for c in synced} == {"bfloat16"}
+    assert sum(c.nbytes for c in synced) == 2 * (512 * 512 + 512 * 256)
+    got, want = hs.gather(par(params, x, y)), jax.jit(step)(params, x, y)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   rtol=2e-2, atol=2e-3)

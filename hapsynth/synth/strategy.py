@@ -81,12 +81,15 @@ class OpChoice:
     units: int = 0              # blocks the sharded factor splits in (divides its size)
 
 
-def op_choice(op, factor: int | None, in_layouts=None, units: int | None = None) -> OpChoice:
+def op_choice(op, factor: int | None, in_layouts=None, units: int | None = None,
+              widens: bool = False) -> OpChoice:
     """Required input and produced output layouts of `op` sharding `factor` in `units`
     blocks (default: the factor's size).
 
     With `factor=None` the op is replicated, unless `in_layouts` shows a partial-sum
-    operand it is linear in: then it carries `P` through (no all-reduce yet).
+    operand it is linear in: then it carries `P` through (no all-reduce yet). A unary op
+    that `widens` its operand (an up-cast: bf16 gradients to f32) does not: the sum is
+    taken on the narrower value, where it is made, as `jit` does.
     """
     nin = len(op.inputs)
     if factor is not None:
@@ -111,7 +114,7 @@ def op_choice(op, factor: int | None, in_layouts=None, units: int | None = None)
     partial = [layouts[i] == P for i in tensors]
     # a loop's accumulator stays partial from a whole initial value (itself on one device,
     # zeros elsewhere: free), so the all-reduce waits for the loop's end
-    if ((carry == "unary" and partial == [True]) or (carry == "sum" and partial and all(partial))
+    if ((carry == "unary" and partial == [True] and not widens) or (carry == "sum" and partial and all(partial))
             or (carry == "accumulate" and any(partial))):
         return OpChoice(None, tuple(P if i in tensors else None for i in range(nin)),
                         tuple(P for _ in op.outputs))
@@ -227,11 +230,18 @@ def propagate(graph: Graph, ops, klass, uf: UnionFind, carry: bool = False,
         for op, factor in zip(ops, factors):
             in_layouts = [None if t is None else layout[t] if t in layout else guess(t)
                           for t in op.inputs]
-            ch = op_choice(op, factor, in_layouts, units)
+            ch = op_choice(op, factor, in_layouts, units, widens(graph, op))
             for t, lay in zip(op.outputs, ch.outputs):
                 layout[t] = lay
             choices.append((op.id, ch))
     return Strategy(klass, tuple(choices), layout, name)
+
+
+def widens(graph: Graph, op) -> bool:
+    """Does a unary op make more bytes than it reads (an up-cast)?"""
+    ins = [t for t in op.inputs if t is not None]
+    return (op.carries == "unary" and len(ins) == 1 and len(op.outputs) == 1
+            and graph.tensors[op.outputs[0]].nbytes > graph.tensors[ins[0]].nbytes)
 
 
 def _join_equal(uf: FactorClasses, classes) -> set:
@@ -259,7 +269,7 @@ def _partial_under(graph: Graph, t: int, klass, uf: UnionFind, depth: int = 6) -
         return True
     ins = [x for x in op.inputs if x is not None]
     below = [_partial_under(graph, x, klass, uf, depth - 1) for x in ins]
-    return bool(ins) and ((op.carries == "unary" and below == [True])
+    return bool(ins) and ((op.carries == "unary" and below == [True] and not widens(graph, op))
                           or (op.carries == "sum" and all(below))
                           or (op.carries == "accumulate" and any(below)))
 
