@@ -194,6 +194,20 @@ def test_pipelined_state_round_trips_through_gather():
         stored[:2], is_leaf=lambda v: isinstance(v, hs.Staged)))
     for a, b in zip(jax.tree.leaves(args), jax.tree.leaves(hs.gather(stored))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # the batch read through `load` (as a process of a multi-host run would) runs the same
+    leaves = {jax.tree_util.keystr(p): np.asarray(x)
+              for p, x in jax.tree_util.tree_flatten_with_path(args)[0]}
+    reads = []
+
+    def load(path, dim, start, stop):
+        reads.append((path, dim, start, stop))
+        return leaves[path][start:stop]
+    spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args[2])
+    loaded = par.load(load, *args[:2], spec)
+    assert sorted(reads) == sorted((p, 0, 0, len(v)) for p, v in leaves.items()
+                                   if p.startswith("[2]"))
+    for a, b in zip(jax.tree.leaves(hs.gather(par(*loaded))), jax.tree.leaves(hs.gather(out))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 # -- steps written by hand: what a pipeline must carry besides a loss -------------------

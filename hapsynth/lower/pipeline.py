@@ -641,8 +641,23 @@ class Pipelined:
         return jax.tree.unflatten(tree, self._wrap(bufs) + data)
 
     def load(self, load, *args):
-        raise NotImplementedError("loading a pipelined step's batch by rows: give it whole "
-                                  "(every device reads its microbatches' rows from it)")
+        """Like `shard`, every leaf given as a `jax.ShapeDtypeStruct` read through
+        `load(path, dim, start, stop)`: whole (`load(path, 0, 0, n)`), since every device
+        of a pipeline reads its microbatches' rows from the whole batch and a stage's
+        state is packed from whole leaves. The shapes and dtypes returned are checked."""
+        flat, tree = jax.tree_util.tree_flatten_with_path(
+            args, is_leaf=lambda v: isinstance(v, (Sharded, Staged)))
+
+        def read(path, x):
+            if not isinstance(x, jax.ShapeDtypeStruct):
+                return x
+            where = jax.tree_util.keystr(path)
+            v = np.asarray(load(where, 0, 0, x.shape[0] if x.shape else 1), x.dtype)
+            if v.shape != tuple(x.shape):
+                raise ValueError(f"load({where!r}, 0, 0, {x.shape[0] if x.shape else 1}) "
+                                 f"returned shape {v.shape}, expected {tuple(x.shape)}")
+            return v
+        return self.shard(*jax.tree.unflatten(tree, [read(p, x) for p, x in flat]))
 
     def run(self, leaves):
         """One step on the flattened arguments; state comes back as `Staged` leaves."""
