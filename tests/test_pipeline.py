@@ -148,6 +148,11 @@ def _three_steps(step, args, cluster, rtol=2e-3):
         compare(hs.gather(got), want, rtol=rtol)
     assert all(isinstance(x, hs.Staged) for x in jax.tree.leaves(
         got[:k], is_leaf=lambda v: isinstance(v, hs.Staged)))
+    # an activation read by both phases of a later stage crosses once (kept there)
+    sends = par.lowered(*args).sends
+    for dests in sends.values():
+        for (b, ph), xs in dests.items():
+            assert ph == "B" or not xs & dests.get((b, "B"), set())
     return plan, got
 
 

@@ -124,6 +124,16 @@ class Pipelined:
             for (a, pha), xs in srcs.items():
                 if a != b:
                     self.sends.setdefault((a, pha), {}).setdefault((b, phb), set()).update(xs)
+        # a value read by both phases of a later stage (the activation entering it, read
+        # again by its weight gradient) crosses once: that stage's forward keeps it
+        for (a, pha), dests in self.sends.items():
+            for (b, phb), xs in dests.items():
+                twice = xs & dests.get((b, "B"), set()) if phb == "F" else set()
+                if twice:
+                    dests[(b, "B")] -= twice
+                    self.keeps[b] = sorted(set(self.keeps[b]) | twice)
+            for key in [k for k, xs in dests.items() if not xs]:
+                del dests[key]
         # the partial sums read once per step (by post ops, or as outputs): accumulated
         later = {x for i, e in enumerate(prog.eqns) if r.region[i] == "post" for x in e.inputs
                  if isinstance(x, int)} | {o for o in prog.outputs if isinstance(o, int)}
@@ -400,7 +410,8 @@ class Pipelined:
                     size = int(np.prod(shape, dtype=np.int64))
                     acc[j] = acc[j].at[off:off + size].add(jnp.ravel(env[t]).astype(k))
             if ph == "F" and s in keep_p:
-                outs_keep = keep_p[s].pack({t: pad_to(env[t], self.plan.tensor_layouts[t],
+                outs_keep = keep_p[s].pack({t: pad_to(env[t] if t in env else known[t],
+                                                       self.plan.tensor_layouts[t],
                                                        self._padded(t, s))
                                             for t in self.keeps[s]}, keep_sizes)
             for d, ps in send_p.items():
