@@ -286,3 +286,38 @@ def test_bf16_gradients_are_summed_in_bf16_where_they_are_made():
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                    rtol=2e-2, atol=2e-3)
+
+
+def test_frozen_weights_passed_beside_the_batch_are_not_taken_for_it():
+    """LoRA: the frozen base weights are an argument that is not state, like the batch,
+    and their dim 0 is as long as the batch. Data parallelism splits the batch only:
+    every op reading a base weight reads it whole, and the step equals one device's."""
+    D, B, R_ = 64, 64, 4
+    ks = jax.random.split(jax.random.key(0), 5)
+    base = {"w1": jax.random.normal(ks[0], (D, D)) / 8, "w2": jax.random.normal(ks[1], (D, 8)) / 8}
+    lora = {"a": jax.random.normal(ks[2], (D, R_)) / 8, "b": jnp.zeros((R_, D))}
+    x, y = jax.random.normal(ks[3], (B, D)), jax.random.normal(ks[4], (B, 8))
+    tx = optax.adam(1e-2)
+
+    def step(lora, opt, base, x, y):
+        def loss(lr):
+            return ((jnp.tanh(x @ (base["w1"] + lr["a"] @ lr["b"])) @ base["w2"] - y) ** 2).mean()
+        val, g = jax.value_and_grad(loss)(lora)
+        upd, opt = tx.update(g, opt, lora)
+        return optax.apply_updates(lora, upd), opt, val
+
+    args = (lora, tx.init(lora), base, x, y)
+    par = hs.parallelize(step, cluster="cpu-2-6", strategy="data-parallel")
+    plan = par.plan(*args)
+    _, graph = lift(step, *args)
+    frozen = set(graph.inputs[-4:-2])
+    reads = [n for op in graph.ops for t, n in zip(op.inputs, plan.op_inputs[op.id]) if t in frozen]
+    assert reads and all(n is not None and n.kind == "R" for n in reads)
+    batch = set(graph.inputs[-2:])
+    assert all(n.kind == "S" for op in graph.ops
+               for t, n in zip(op.inputs, plan.op_inputs[op.id]) if t in batch)
+    got, want = args, args
+    for _ in range(2):
+        got, want = par(*got[:2], *args[2:]), jax.jit(step)(*want[:2], *args[2:])
+        for a, b in zip(jax.tree.leaves(hs.gather(got)), jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-3, atol=1e-5)

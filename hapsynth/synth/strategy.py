@@ -277,10 +277,20 @@ def _partial_under(graph: Graph, t: int, klass, uf: UnionFind, depth: int = 6) -
 def batch_classes(graph: Graph, uf: FactorClasses, data_inputs) -> tuple:
     """The factor classes holding the batch dim of the data arguments (dim 0, or the
     microbatch dim of one fed split), most ops first: what data parallelism shards
-    (several when no op joins two data inputs' batches)."""
+    (several when no op joins two data inputs' batches).
+
+    An argument that is not state may still be weights (a frozen base model beside its
+    LoRA adapters, a teacher, a target network): its dim 0 is then a class that also
+    holds another dim of some argument (x's features, contracted with it), which a
+    batch never does; such classes are dropped while a class of the batch remains."""
     data = {t: graph.batch_dims.get(t, 0) for t in data_inputs}
     found = {uf.find((op.id, fi)) for op in graph.ops for fi, f in enumerate(op.rule.factors)
              if f.shardable and any(data.get(op.inputs[i]) == d for (i, d) in f.operands)}
+    inputs = set(graph.inputs)
+    other = {uf.find((op.id, fi)) for op in graph.ops for fi, f in enumerate(op.rule.factors)
+             if f.shardable and any(op.inputs[i] in inputs and d != data.get(op.inputs[i], 0)
+                                    for (i, d) in f.operands)}
+    found = found - other if found - other else found
     found = _join_equal(uf, found)
     reach: dict = {}
     for item in uf.size:
