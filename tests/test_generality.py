@@ -291,7 +291,8 @@ def test_bf16_gradients_are_summed_in_bf16_where_they_are_made():
 def test_frozen_weights_passed_beside_the_batch_are_not_taken_for_it():
     """LoRA: the frozen base weights are an argument that is not state, like the batch,
     and their dim 0 is as long as the batch. Data parallelism splits the batch only:
-    every op reading a base weight reads it whole, and the step equals one device's."""
+    every op reading a base weight reads it whole, only the adapters' gradients are
+    summed across devices, and the step equals one device's."""
     D, B, R_ = 64, 64, 4
     ks = jax.random.split(jax.random.key(0), 5)
     base = {"w1": jax.random.normal(ks[0], (D, D)) / 8, "w2": jax.random.normal(ks[1], (D, 8)) / 8}
@@ -316,6 +317,10 @@ def test_frozen_weights_passed_beside_the_batch_are_not_taken_for_it():
     batch = set(graph.inputs[-2:])
     assert all(n.kind == "S" for op in graph.ops
                for t, n in zip(op.inputs, plan.op_inputs[op.id]) if t in batch)
+    # the partial sums are carried through the products to the adapters' gradients, as
+    # hand-written data parallelism sums them: no D x D gradient crosses devices
+    moved = [graph.tensors[c.tensor].shape for c in plan.conversions]
+    assert (D, D) not in moved and (D, R_) in moved and (R_, D) in moved
     got, want = args, args
     for _ in range(2):
         got, want = par(*got[:2], *args[2:]), jax.jit(step)(*want[:2], *args[2:])

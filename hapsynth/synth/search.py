@@ -80,12 +80,21 @@ def data_parallel(tables: Tables, batch) -> list[int]:
     assign = switch_classes(tables, [0] * len(tables.strategies), batch)
     carry = [next((i for i, s in enumerate(st) if s.name == CARRY), None)
              for st in tables.strategies]
+    free = [n for n, c in enumerate(carry)
+            if c is not None and tables.strategies[n][assign[n]].klass is None]
+    # from the better of "sum where made" and "carry every sum as far as it goes" (a
+    # gradient reaching a parameter through several ops: LoRA's adapters), one node at
+    # a time the other way while that is faster
     best = evaluate(tables, assign).step
-    for n, c in enumerate(carry):
-        if c is None or tables.strategies[n][assign[n]].klass is not None:
-            continue
+    carried = list(assign)
+    for n in free:
+        carried[n] = carry[n]
+    t = evaluate(tables, carried).step
+    if t < best * (1 - 1e-9):
+        assign, best = carried, t
+    for n in free:
         trial = list(assign)
-        trial[n] = c
+        trial[n] = carry[n] if assign[n] != carry[n] else 0
         t = evaluate(tables, trial).step
         if t < best * (1 - 1e-9):
             assign, best = trial, t

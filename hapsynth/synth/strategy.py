@@ -82,14 +82,15 @@ class OpChoice:
 
 
 def op_choice(op, factor: int | None, in_layouts=None, units: int | None = None,
-              widens: bool = False) -> OpChoice:
+              growth=lambda i: 1.0) -> OpChoice:
     """Required input and produced output layouts of `op` sharding `factor` in `units`
     blocks (default: the factor's size).
 
     With `factor=None` the op is replicated, unless `in_layouts` shows a partial-sum
-    operand it is linear in: then it carries `P` through (no all-reduce yet). A unary op
-    that `widens` its operand (an up-cast: bf16 gradients to f32) does not: the sum is
-    taken on the narrower value, where it is made, as `jit` does.
+    operand it is linear in: then it carries `P` through (no all-reduce yet) where that
+    cannot cost more. `growth(i)` is the result's bytes over operand i's: a unary op that
+    grows it (an up-cast of bf16 gradients to f32) does not carry, and a contraction
+    carries only what it shrinks (a LoRA weight's gradient times the other adapter).
     """
     nin = len(op.inputs)
     if factor is not None:
@@ -114,10 +115,14 @@ def op_choice(op, factor: int | None, in_layouts=None, units: int | None = None,
     partial = [layouts[i] == P for i in tensors]
     # a loop's accumulator stays partial from a whole initial value (itself on one device,
     # zeros elsewhere: free), so the all-reduce waits for the loop's end
-    if ((carry == "unary" and partial == [True] and not widens) or (carry == "sum" and partial and all(partial))
+    if ((carry == "unary" and partial == [True] and growth(tensors[0]) <= 1)
+            or (carry == "sum" and partial and all(partial))
             or (carry == "accumulate" and any(partial))):
         return OpChoice(None, tuple(P if i in tensors else None for i in range(nin)),
                         tuple(P for _ in op.outputs))
+    if carry == "linear" and sum(partial) == 1 and growth(tensors[partial.index(True)]) < 1:
+        return OpChoice(None, tuple(None if op.inputs[i] is None else P if layouts[i] == P
+                                    else R for i in range(nin)), tuple(P for _ in op.outputs))
     return _replicated(op)
 
 
@@ -230,18 +235,17 @@ def propagate(graph: Graph, ops, klass, uf: UnionFind, carry: bool = False,
         for op, factor in zip(ops, factors):
             in_layouts = [None if t is None else layout[t] if t in layout else guess(t)
                           for t in op.inputs]
-            ch = op_choice(op, factor, in_layouts, units, widens(graph, op))
+            ch = op_choice(op, factor, in_layouts, units,
+                           lambda i, op=op: growth(graph, op, op.inputs[i]))
             for t, lay in zip(op.outputs, ch.outputs):
                 layout[t] = lay
             choices.append((op.id, ch))
     return Strategy(klass, tuple(choices), layout, name)
 
 
-def widens(graph: Graph, op) -> bool:
-    """Does a unary op make more bytes than it reads (an up-cast)?"""
-    ins = [t for t in op.inputs if t is not None]
-    return (op.carries == "unary" and len(ins) == 1 and len(op.outputs) == 1
-            and graph.tensors[op.outputs[0]].nbytes > graph.tensors[ins[0]].nbytes)
+def growth(graph: Graph, op, t: int) -> float:
+    """The bytes `op` makes over those of its operand `t`."""
+    return sum(graph.tensors[o].nbytes for o in op.outputs) / max(graph.tensors[t].nbytes, 1)
 
 
 def _join_equal(uf: FactorClasses, classes) -> set:
@@ -269,7 +273,10 @@ def _partial_under(graph: Graph, t: int, klass, uf: UnionFind, depth: int = 6) -
         return True
     ins = [x for x in op.inputs if x is not None]
     below = [_partial_under(graph, x, klass, uf, depth - 1) for x in ins]
-    return bool(ins) and ((op.carries == "unary" and below == [True] and not widens(graph, op))
+    if op.carries == "linear" and sum(below) == 1:
+        return growth(graph, op, ins[below.index(True)]) < 1
+    return bool(ins) and ((op.carries == "unary" and below == [True]
+                           and growth(graph, op, ins[0]) <= 1)
                           or (op.carries == "sum" and all(below))
                           or (op.carries == "accumulate" and any(below)))
 

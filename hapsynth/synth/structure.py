@@ -111,7 +111,7 @@ def feeds_tail(graph: Graph, tail_start: int) -> list[bool]:
     for op in reversed(graph.ops):
         if op.id >= tail_start:
             late[op.id] = True
-        elif facts(op.primitive).follower or op.carries:
+        elif facts(op.primitive).follower or op.carries in ("unary", "sum", "accumulate"):
             rs = [r for t in op.outputs for r in readers.get(t, ())]
             late[op.id] = bool(rs) and not outputs & set(op.outputs) and all(
                 r > op.id and late[r] for r in rs)

@@ -17,7 +17,7 @@ def _dot_cost(eqn):
     return 2.0 * eqn.out_avals[0].size * k, 0.0
 
 
-@register("dot_general", cost=_dot_cost, contraction=True)
+@register("dot_general", cost=_dot_cost, contraction=True, partial="linear")
 def dot_general(eqn):
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     ls, rs = eqn.in_avals[0].shape, eqn.in_avals[1].shape
@@ -65,7 +65,7 @@ def _conv_cost(eqn):
     return 2.0 * os_[out_spec[0]] * os_[out_spec[1]] * in_feat * taps, 0.0
 
 
-@register("conv_general_dilated", cost=_conv_cost, contraction=True)
+@register("conv_general_dilated", cost=_conv_cost, contraction=True, partial="linear")
 def conv_general_dilated(eqn):
     """Batch and output features parallel, input features a sum (ungrouped convs only)."""
     lhs_spec, rhs_spec, out_spec = _conv_specs(eqn)

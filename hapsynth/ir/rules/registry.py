@@ -13,7 +13,9 @@ Each entry describes a primitive once, where its rule module registers it:
   its operands' node), `partial` (a partial sum may be carried through it, its
   all-reduce postponed, where that cannot cost more: "unary" for linear ops that
   keep or shrink one operand, "sum" for sums of partial sums, "accumulate" for a loop's
-  carry, partial from a whole initial value) and `contraction`
+  carry, partial from a whole initial value, "linear" for contractions, linear in each
+  operand: one partial operand, the others whole, where the result is smaller (a LoRA
+  weight's gradient times the other adapter)) and `contraction`
   (a dot or convolution), `free` (moves no data, as a loop's carry: costs nothing);
 - `block(eqn, operands, local shapes, starts)`: for the few primitives whose values
   depend on where a block lies in the whole (random bits), its evaluation there.
@@ -43,7 +45,7 @@ class Entry:
     resize: Callable | None = None
     elementwise: bool = False
     layout_only: bool = False
-    partial: str | Callable | None = None  # None, "unary", "sum", "accumulate", or eqn -> one
+    partial: str | Callable | None = None  # None, a mode above, or eqn -> one
     contraction: bool = False
     free: bool = False          # moves no data (XLA aliases the result): costs nothing
     block: Callable | None = None  # (eqn, operands, local shapes, starts) -> results
@@ -62,7 +64,7 @@ def register(*names: str, cost: Callable = _no_cost, resize: Callable | None = N
              elementwise: bool = False, layout_only: bool = False, partial: str | None = None,
              contraction: bool = False, free: bool = False, block: Callable | None = None):
     """Decorator: register a rule function, with its cost and facts, for primitive names."""
-    assert partial in (None, "unary", "sum", "accumulate") or callable(partial), partial
+    assert partial in (None, "unary", "sum", "accumulate", "linear") or callable(partial), partial
 
     def deco(rule_fn):
         for name in names:
@@ -79,7 +81,7 @@ def facts(name: str) -> Entry:
 
 
 def partial_of(eqn) -> str | None:
-    """How a partial sum may pass through this eqn: "unary", "sum" or None."""
+    """How a partial sum may pass through this eqn (the modes above) or None."""
     p = facts(eqn.name).partial
     return p(eqn) if callable(p) else p
 
