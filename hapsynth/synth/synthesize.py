@@ -132,12 +132,16 @@ def no_data_parallelism(problem: Problem, data_inputs) -> NoDataParallelism:
 
 
 def start(problem: Problem, dp: dict[str, Choice]) -> Choice:
-    """The best of: data parallelism, and "shard the big state tensors on dim d, else the
-    batch" (expert parallelism for an MoE), each made to fit memory, at FLOP/s-
-    proportional and at even shares (even shares pad less, which can make a plan fit)."""
+    """The best of: data parallelism, "shard the big state tensors on dim d, else the
+    batch" (expert parallelism for an MoE), each made to fit memory, and replicating
+    everything where that fits (a step too small to split), at FLOP/s-proportional and
+    at even shares (even shares pad less, which can make a plan fit)."""
     starts = []
     for b in (dp["DP-CP"], dp["DP-EV"]):
         pr = b.priced
+        whole = [0] * len(b.assign)
+        if pr.fits(whole):
+            starts.append(((False, pr.time(whole)), pr, whole))
         for a in [b.assign] + [switch_classes(pr.tables, b.assign, [*g, *problem.batch])
                                for g in problem.state_groups]:
             if not pr.fits(a):
