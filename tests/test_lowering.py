@@ -203,8 +203,8 @@ def test_more_devices_than_jax_sees_is_a_clear_error():
         hs.parallelize(step, cluster=big, time_limit=1)(*args)
 
 
-@pytest.mark.parametrize("form", ["body", "branch"])
-def test_both_loop_forms_equal_one_device(form):
+@pytest.mark.parametrize("form", [pytest.param("body", marks=pytest.mark.slow), "branch"])
+def test_both_loop_forms_equal_one_device(form):  # "body", the default, runs everywhere else
     """A scan over time lowered either way (benchmarks/loops.py times them) gives the
     single-device step's results; the branch form is taken by both scans (forward and
     backward), whose bodies need no collective."""

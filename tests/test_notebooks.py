@@ -31,8 +31,13 @@ def test_every_notebook_is_known_and_committed_without_outputs():
         assert "widgets" not in nb.metadata, f"{path.name} keeps widget state"
 
 
+#: the measuring notebook times real runs (a minute on 2 cores): it runs with the slow set
+HEAVY = {"measure"}
+
+
 @pytest.mark.notebook
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if p.stem in HEAVY
+                                  else p for p in NOTEBOOKS], ids=lambda p: p.stem)
 def test_notebook_runs_and_shows_what_it_promises(path, tmp_path):
     from nbclient import NotebookClient
 
