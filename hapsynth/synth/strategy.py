@@ -113,17 +113,30 @@ def op_choice(op, factor: int | None, in_layouts=None, units: int | None = None,
     tensors = [i for i in range(nin) if op.inputs[i] is not None]
     carry = op.carries  # how a partial sum may pass through (the registry's facts)
     partial = [layouts[i] == P for i in tensors]
-    # a loop's accumulator stays partial from a whole initial value (itself on one device,
-    # zeros elsewhere: free), so the all-reduce waits for the loop's end
-    if ((carry == "unary" and partial == [True] and growth(tensors[0]) <= 1)
-            or (carry == "sum" and partial and all(partial))
-            or (carry == "accumulate" and any(partial))):
-        return OpChoice(None, tuple(P if i in tensors else None for i in range(nin)),
-                        tuple(P for _ in op.outputs))
-    if carry == "linear" and sum(partial) == 1 and growth(tensors[partial.index(True)]) < 1:
-        return OpChoice(None, tuple(None if op.inputs[i] is None else P if layouts[i] == P
-                                    else R for i in range(nin)), tuple(P for _ in op.outputs))
-    return _replicated(op)
+    if not carries(carry, partial, lambda k: growth(tensors[k])):
+        return _replicated(op)
+    if carry == "linear":  # the partial operand stays partial, the others arrive whole
+        ins = tuple(None if op.inputs[i] is None else P if layouts[i] == P else R
+                    for i in range(nin))
+    else:
+        ins = tuple(P if i in tensors else None for i in range(nin))
+    return OpChoice(None, ins, tuple(P for _ in op.outputs))
+
+
+def carries(carry: str | None, partial, growth) -> bool:
+    """Does an op whose registry fact is `carry` pass a partial sum through, its tensor
+    operands partial as `partial`, `growth(k)` its result's bytes over operand k's?
+    A loop's accumulator stays partial from a whole initial value (itself on one device,
+    zeros elsewhere: free), so the all-reduce waits for the loop's end."""
+    if carry == "unary":
+        return partial == [True] and growth(0) <= 1
+    if carry == "sum":
+        return bool(partial) and all(partial)
+    if carry == "accumulate":
+        return any(partial)
+    if carry == "linear":
+        return sum(partial) == 1 and growth(partial.index(True)) < 1
+    return False
 
 
 def _replicated(op) -> OpChoice:
@@ -273,12 +286,7 @@ def _partial_under(graph: Graph, t: int, klass, uf: UnionFind, depth: int = 6) -
         return True
     ins = [x for x in op.inputs if x is not None]
     below = [_partial_under(graph, x, klass, uf, depth - 1) for x in ins]
-    if op.carries == "linear" and sum(below) == 1:
-        return growth(graph, op, ins[below.index(True)]) < 1
-    return bool(ins) and ((op.carries == "unary" and below == [True]
-                           and growth(graph, op, ins[0]) <= 1)
-                          or (op.carries == "sum" and all(below))
-                          or (op.carries == "accumulate" and any(below)))
+    return carries(op.carries, below, lambda k: growth(graph, op, ins[k]))
 
 
 def batch_classes(graph: Graph, uf: FactorClasses, data_inputs) -> tuple:
