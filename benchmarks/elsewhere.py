@@ -53,7 +53,15 @@ def row(name: str, cluster: hs.Cluster, time_limit: float) -> str:
     ops = plan.baseline_ops.get("DP-EV", 0) if plan.baseline_ops else 0
     return (f"| {name} | {cluster.name} | {plan.predicted_step_time:.3f} | "
             f"{b['ideal'] / plan.predicted_step_time:.0%} | {dp('DP-EV')} | {dp('DP-CP')} | "
-            f"{ops} of {n} | {seconds:.1f} | {plan.chosen} |")
+            f"{ops} of {n} | {seconds:.1f} | {plan.chosen}{every(plan)} |")
+
+
+def every(plan) -> str:
+    """For a plan that leaves devices idle: what the best plan on every device prices."""
+    if plan.devices is None:
+        return ""
+    t = plan.baselines["all-devices"]
+    return " (every device: " + ("none fits" if t != t else f"{t:.3f} s") + ")"
 
 
 NOTES = [
@@ -62,7 +70,12 @@ NOTES = [
     "batch 2048: microseconds of compute per device, bound by collective latency on any cluster;",
     "`equinox_vit` (ViT-B/16, batch 2048) is the realistic-size Equinox model. \"no plan found",
     "fits\" names the device class that cannot hold the step (parameters, AdamW state and",
-    "activations at that batch) and by how much.",
+    "activations at that batch) and by how much. \"on k of n devices\" is a plan that leaves",
+    "the others idle (the slowest class, or all but one host: `hapsynth/synth/subsets.py`);",
+    "its baselines and limit stay the whole cluster's, and \"every device\" is the best plan",
+    "found that uses them all. `grad_accum` is BERT-base-sized (batch 2048 = 8 microbatches",
+    "x 256); at its earlier size (batch 512 = 8 x 64, one row per device per microbatch",
+    "on 64 devices) it planned at 57% (scan) and 48% (fori) of the limit.",
 ]
 
 

@@ -90,8 +90,8 @@ def measure(model: str, config: str, ratios, reps: int, time_limit: float,
     prog, graph = lift(step, *args)
     nstate = len(jax.tree.leaves(args[:2]))
 
-    def plan(cluster, **kw) -> Plan:
-        return synthesize_once(graph, cluster, num_state_leaves=nstate,
+    def plan(cluster, **kw) -> Plan:  # over both devices: the uneven split is what is measured
+        return synthesize_once(graph, cluster, num_state_leaves=nstate, devices="all",
                                data_inputs=graph.inputs[nstate:], time_limit=time_limit, **kw)
 
     programs = {}

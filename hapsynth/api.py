@@ -16,8 +16,9 @@ from hapsynth.lower.pipeline import Pipelined
 from hapsynth.lower.program import Lowered
 from hapsynth.lower.values import Sharded
 from hapsynth.synth.plan import Plan
-from hapsynth.synth.synthesize import (InfeasibleMemory, Options, data_parallel_plan, synthesize,
-                                       with_pipeline)
+from hapsynth.synth.subsets import on_fewer_devices
+from hapsynth.synth.synthesize import (InfeasibleMemory, NoDataParallelism, Options,
+                                       data_parallel_plan, synthesize, with_pipeline)
 
 STRATEGIES = ("auto", "data-parallel")
 
@@ -27,6 +28,13 @@ def check_pipeline(pipeline) -> None:
     best SPMD-only plan), True (a pipeline, or an error saying why not) or False."""
     if not (pipeline == "auto" or isinstance(pipeline, bool)):
         raise ValueError(f"pipeline must be 'auto', True or False, got {pipeline!r}")
+
+
+def check_devices(devices) -> None:
+    """`devices` is "auto" (the plan may leave slow or far devices idle when it prices
+    faster without them) or "all" (every device takes part)."""
+    if devices not in ("auto", "all"):
+        raise ValueError(f"devices must be 'auto' or 'all', got {devices!r}")
 
 
 def inspect(train_step, *example_args) -> dict:
@@ -116,8 +124,38 @@ def make_plan(graph, cluster, *, num_state_leaves: int, data_inputs, strategy: s
                                   data_inputs=data_inputs, shares=shares)
     if shares is not None:
         raise ValueError("shares= applies to strategy='data-parallel' only")
-    return synthesize(graph, cluster, num_state_leaves=num_state_leaves, data_inputs=data_inputs,
-                      options=Options(**options))
+    devices = options.pop("devices", "auto")
+    check_devices(devices)
+
+    def plan_on(c: Cluster) -> Plan:
+        return synthesize(graph, c, num_state_leaves=num_state_leaves, data_inputs=data_inputs,
+                          options=Options(**options))
+
+    try:
+        best, unfit = plan_on(cluster), None
+    except InfeasibleMemory as err:
+        best, unfit = None, err
+    if devices == "all" or jax.process_count() > 1:  # every process must hold part of the mesh
+        if best is None:
+            raise unfit
+        return best
+
+    def baselines_of(c: Cluster = cluster) -> Plan | None:
+        try:
+            return data_parallel_plan(graph, c, num_state_leaves=num_state_leaves,
+                                      data_inputs=data_inputs)
+        except NoDataParallelism:
+            return None
+
+    def probe(c: Cluster) -> float:
+        """Data parallelism's best fitting time on `c` (infinity when none fits)."""
+        dp = baselines_of(c)
+        cap = min(k.memory for k in c.classes)
+        return min((dp.baselines[k] for k in ("DP-EV", "DP-CP") if dp and k in dp.baselines
+                    and dp.baseline_memory[k] <= cap), default=float("inf"))
+
+    return on_fewer_devices(graph, cluster, best, plan_on, probe, baselines_of,
+                            options.get("min_gain", Options.min_gain), unfit)
 
 
 def synthesize_once(graph, cluster, **kw) -> Plan:
@@ -145,7 +183,7 @@ class Parallelized:
     def __init__(self, train_step, cluster: Cluster, *, donate_argnums=(), time_limit: float = 10.0,
                  seed: int = 0, workers: int = 2, strategy: str = "auto", shares=None,
                  min_gain: float = 0.05, plan: Plan | None = None, verbose: bool | None = None,
-                 pipeline="auto"):
+                 pipeline="auto", devices="auto"):
         self.train_step = train_step
         self.given_plan = plan  # a saved plan to use instead of synthesising (checked)
         self.cluster = cluster if isinstance(cluster, Cluster) else Cluster.load(cluster)
@@ -154,9 +192,10 @@ class Parallelized:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         check_pipeline(pipeline)
+        check_devices(devices)
         self.options = {"time_limit": time_limit, "seed": seed, "workers": workers,
                         "strategy": strategy, "shares": shares,
-                        "min_gain": min_gain, "pipeline": pipeline}
+                        "min_gain": min_gain, "pipeline": pipeline, "devices": devices}
         self._plans: dict = {}
         self._programs: dict = {}
         self._lowered: dict = {}
@@ -227,7 +266,9 @@ def parallelize(train_step=None, *, cluster, donate_argnums=(), **options):
     Other options: `time_limit`, `seed`, `workers`, `min_gain`, `strategy` ("auto" or
     "data-parallel"), `shares` (data-parallel only), `pipeline` ("auto": a pipeline across
     the cluster's islands when it prices faster than the best SPMD-only plan; True: a
-    pipeline; False: SPMD only), `verbose` (a progress bar while
+    pipeline; False: SPMD only), `devices` ("auto": the plan may leave the slowest class,
+    or all but the strongest island or host, idle when it prices faster that way; "all":
+    every device works), `verbose` (a progress bar while
     planning: None shows it when run in a terminal or a notebook, not in CI)."""
     if train_step is None:
         return lambda fn: Parallelized(fn, cluster, donate_argnums=donate_argnums, **options)

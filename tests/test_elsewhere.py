@@ -159,7 +159,7 @@ def test_three_distributed_steps_equal_one_device(name, cluster):
     from test_lowering import CLUSTERS, compare
 
     step, args = get(name, "tiny")
-    par = hs.parallelize(step, cluster=CLUSTERS[cluster](), time_limit=1)
+    par = hs.parallelize(step, cluster=CLUSTERS[cluster](), time_limit=1, devices="all")
     plan = par.plan(*args)
     assert plan.unsupported == {}
     k = _n_state_args(step, args)
@@ -174,7 +174,7 @@ def test_three_distributed_steps_equal_one_device(name, cluster):
         compare(hs.gather(got), want, rtol=rtol)
 
 
-TRANSFORMERS = ("scan_gpt", "unrolled_gpt", "nnx_gpt", "linen_transformer")
+TRANSFORMERS = ("scan_gpt", "unrolled_gpt", "nnx_gpt", "linen_transformer", "grad_accum")
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ def test_work_repeat_keeps_values_and_really_runs():
     (flag=True) changes the results exactly when some device repeats. Counts change
     without recompiling."""
     step, args = get("mlp", "tiny")
-    par = hs.parallelize(step, cluster=CLUSTERS["2+6"](), time_limit=1)
+    par = hs.parallelize(step, cluster=CLUSTERS["2+6"](), time_limit=1, devices="all")
     plan = par.plan(*args)
     prog = par._programs[next(iter(par._programs))]
     emulate = WorkRepeat((1, 1) + (3,) * 6)

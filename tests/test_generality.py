@@ -106,7 +106,7 @@ def test_data_parallelism_that_shards_nothing_is_an_error_not_a_result():
     w = jnp.linspace(-1, 1, 64).reshape(8, 8)
     with pytest.raises(hs.NoDataParallelism, match="no data inputs"):
         hs.parallelize(step, cluster="cpu-2-6", strategy="data-parallel").plan(w)
-    plan = hs.parallelize(step, cluster="cpu-2-6", time_limit=1).plan(w)
+    plan = hs.parallelize(step, cluster="cpu-2-6", time_limit=1, devices="all").plan(w)
     assert "DP-EV" not in plan.baselines and "data parallelism does not apply" in plan.summary()
 
 
@@ -193,7 +193,7 @@ def test_overlapping_dynamic_slices_are_not_taken_for_blocks():
     D = 16
     step = _fori_step(D, first_outside=False, stride=4)
     w, batch = _weights_and_batch(D)
-    par = hs.parallelize(step, cluster="cpu-2-6", time_limit=1)
+    par = hs.parallelize(step, cluster="cpu-2-6", time_limit=1, devices="all")
     low = par.lowered(w, batch)
     assert not any(low.prog.input_views or ())
     _assert_steps_equal_jit(par, step, w, batch, steps=1)
@@ -253,7 +253,7 @@ def test_block_reads_twice_in_one_loop_and_a_loop_that_never_runs():
 
     w, batch = _weights_and_batch(D)
     for step, view in ((twice, ((4, 8, D), 1)), (never, None)):
-        par = hs.parallelize(step, cluster="cpu-2-6", time_limit=1)
+        par = hs.parallelize(step, cluster="cpu-2-6", time_limit=1, devices="all")
         assert (par.lowered(w, batch).prog.input_views or (None, None))[1] == view
         _assert_steps_equal_jit(par, step, w, batch, steps=2)
 

@@ -87,7 +87,7 @@ def marked(root: _El, cls: str) -> list[bool]:
 @pytest.fixture(scope="module")
 def plan():
     step, args = get("mlp", "tiny")
-    return hs.parallelize(step, cluster=CPU26, time_limit=1).plan(*args)
+    return hs.parallelize(step, cluster=CPU26, time_limit=1, devices="all").plan(*args)
 
 
 @pytest.fixture(scope="module")

@@ -46,7 +46,7 @@ def compare(got, want, rtol=2e-3, atol=1e-5):
 
 def run_three_steps(model, cluster):
     step, (params, opt, batch) = get(model, "tiny")
-    par = hs.parallelize(step, cluster=cluster, time_limit=1)
+    par = hs.parallelize(step, cluster=cluster, time_limit=1, devices="all")
     ref = jax.jit(step)
     want = (params, opt)
     got = (params, opt)
@@ -181,7 +181,7 @@ def test_each_collective_form_on_uneven_shards(src, dst, form):
 
 def test_shard_feeds_each_device_its_rows_and_changes_nothing():
     step, (params, opt, batch) = get("gpt", "tiny")
-    par = hs.parallelize(step, cluster=CLUSTERS["2+6"](), time_limit=1)
+    par = hs.parallelize(step, cluster=CLUSTERS["2+6"](), time_limit=1, devices="all")
     fed = par.shard(params, opt, batch)
     stored = jax.tree.leaves(fed[2], is_leaf=lambda v: isinstance(v, Sharded))
     assert all(isinstance(v, Sharded) for v in stored)
@@ -213,7 +213,7 @@ def test_both_loop_forms_equal_one_device(form):  # "body", the default, runs ev
     from hapsynth_bench.loops import rnn
 
     step, args = rnn(batch=64, steps=6, width=32)
-    par = hs.parallelize(step, cluster=CLUSTERS["1+1+2+4"](), time_limit=1)
+    par = hs.parallelize(step, cluster=CLUSTERS["1+1+2+4"](), time_limit=1, devices="all")
     plan = par.plan(*args)
     prog = par._programs[signature_of(args)]
     low = Lowered(prog, plan, local_devices(par.cluster), loop_form=form)

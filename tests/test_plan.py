@@ -19,7 +19,7 @@ CPU26 = hs.Cluster.load("cpu-2-6")
 @pytest.fixture(scope="module")
 def gpt_plan():
     step, args = get("gpt", "tiny")
-    return hs.parallelize(step, cluster=CPU26, time_limit=2).plan(*args)
+    return hs.parallelize(step, cluster=CPU26, time_limit=2, devices="all").plan(*args)
 
 
 def test_plan_is_never_slower_than_data_parallel_nor_faster_than_ideal(gpt_plan):
@@ -53,11 +53,11 @@ def test_plan_json_round_trips_exactly(gpt_plan):
 
 def test_plans_are_cached_deterministic_and_shape_only():
     step, args = get("mlp", "tiny")
-    par = hs.parallelize(step, cluster=CPU26, time_limit=1, seed=3)
+    par = hs.parallelize(step, cluster=CPU26, time_limit=1, devices="all", seed=3)
     p1 = par.plan(*args)
     assert par.plan(*args) is p1  # cached per input signature
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
-    p2 = hs.parallelize(step, cluster=CPU26, time_limit=1, seed=3).plan(*abstract)
+    p2 = hs.parallelize(step, cluster=CPU26, time_limit=1, devices="all", seed=3).plan(*abstract)
     assert p2.strategies == p1.strategies and p2.ratios == p1.ratios
     assert p2.predicted_step_time == p1.predicted_step_time
 
@@ -97,7 +97,8 @@ def test_unknown_primitive_still_plans_replicated():
         loss, g = jax.value_and_grad(lambda w: jnp.sum(x @ w))(w)
         return w - 0.1 * p.bind(g), loss
 
-    plan = hs.parallelize(step, cluster=CPU26, time_limit=1).plan(jnp.ones((4, 3)), jnp.ones((16, 4)))
+    plan = hs.parallelize(step, cluster=CPU26, time_limit=1, devices="all").plan(
+        jnp.ones((4, 3)), jnp.ones((16, 4)))
     assert plan.unsupported == {"hapsynth_test_opaque": 1}
     assert "hapsynth_test_opaque" in plan.summary()
 
@@ -133,7 +134,8 @@ def test_explain_names_every_node_strategy_and_conversion(gpt_plan):
 def test_a_saved_plan_refuses_another_program_and_names_the_difference():
     step, (params, opt, batch) = get("mlp", "tiny")
     saved = hs.Plan.from_json(
-        hs.parallelize(step, cluster=CPU26, time_limit=1).plan(params, opt, batch).to_json())
+        hs.parallelize(step, cluster=CPU26, time_limit=1, devices="all").plan(
+            params, opt, batch).to_json())
     again = hs.parallelize(step, cluster=CPU26, plan=saved)
     assert again.plan(params, opt, batch) is saved
     smaller = jax.tree.map(lambda x: x[:16], batch)
@@ -157,7 +159,7 @@ def test_donated_state_is_reused_and_deleted(cluster):
     step, (params, opt, batch) = get("mlp", "tiny")
     ref = jax.jit(step)
     want = ref(*ref(params, opt, batch)[:2], batch)
-    par = hs.parallelize(step, cluster=cluster, time_limit=1, donate_argnums=(0, 1))
+    par = hs.parallelize(step, cluster=cluster, time_limit=1, devices="all", donate_argnums=(0, 1))
     first = par(params, opt, batch)  # as with jax.jit, donated arguments are not to be reused
     second = par(first[0], first[1], batch)
     donated = jax.tree.leaves(first[:2], is_leaf=lambda v: isinstance(v, hs.Sharded))
@@ -166,7 +168,7 @@ def test_donated_state_is_reused_and_deleted(cluster):
     for a, b in zip(jax.tree.leaves(hs.gather(second)), jax.tree.leaves(want)):
         assert jnp.allclose(a, b, rtol=1e-4, atol=1e-6)
     _, (params, opt, batch) = get("mlp", "tiny")
-    keep = hs.parallelize(step, cluster=cluster, time_limit=1)
+    keep = hs.parallelize(step, cluster=cluster, time_limit=1, devices="all")
     out = keep(params, opt, batch)
     keep(out[0], out[1], batch)
     assert not any(v.data.is_deleted() for v in jax.tree.leaves(

@@ -148,7 +148,7 @@ def test_user_step_runs_distributed_like_one_device(make, cluster):
     from test_lowering import CLUSTERS, compare
 
     step, args = make()
-    par = hs.parallelize(step, cluster=CLUSTERS[cluster](), time_limit=1)
+    par = hs.parallelize(step, cluster=CLUSTERS[cluster](), time_limit=1, devices="all")
     ref = jax.jit(step)
     state, want = args[:2], args[:2]
     for _ in range(3):

@@ -19,7 +19,7 @@ pytest.importorskip("matplotlib")
 def plan(request):
     model, cluster = request.param
     step, args = get(model, "tiny")
-    return hs.parallelize(step, cluster=hs.Cluster.load(cluster), time_limit=2,
+    return hs.parallelize(step, cluster=hs.Cluster.load(cluster), time_limit=2, devices="all",
                           verbose=False).plan(*args)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numbers
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
@@ -140,6 +140,23 @@ class Cluster:
         ci = self.class_index(c) if isinstance(c, str) else c
         start = sum(k.count for k in self.classes[:ci])
         return tuple(range(start, start + self.classes[ci].count))
+
+    def subset(self, indices: Iterable[int], name: str | None = None) -> "Cluster":
+        """The cluster of devices `indices` only: device ``k`` of the result is the k-th
+        smallest of `indices`; classes and islands left without a device are dropped."""
+        keep = {self._index(i) for i in indices}
+        if not keep:
+            raise ValueError("a cluster subset needs at least one device")
+        classes = []
+        for ci, c in enumerate(self.classes):
+            hosts = tuple(h for g, h in zip(self.class_devices(ci), c.hosts) if g in keep)
+            if hosts:
+                classes.append(replace(c, count=len(hosts), hosts=hosts))
+        used = {h for c in classes for h in c.hosts}
+        islands = tuple(replace(isl, hosts=tuple(h for h in isl.hosts if h in used))
+                        for isl in self.islands if used.intersection(isl.hosts))
+        return Cluster(tuple(classes), self.links,
+                       name or f"{self.name}[{len(keep)} of {self.num_devices}]", islands)
 
     # ---- links
 

@@ -5,7 +5,7 @@ import jax
 
 from hapsynth.cluster import Cluster, ClusterError
 
-__all__ = ["local_devices"]
+__all__ = ["local_devices", "plan_devices"]
 
 
 def local_devices(cluster: Cluster) -> list:
@@ -20,3 +20,14 @@ def local_devices(cluster: Cluster) -> list:
             f"--xla_force_host_platform_device_count={n} (or JAX_NUM_CPU_DEVICES={n}) "
             "before JAX initialises")
     return list(devs[:n])
+
+
+def plan_devices(plan, devices) -> list:
+    """The devices `plan` runs on, out of its cluster's `devices` (all but the idle ones)."""
+    devices = list(devices)
+    if plan.devices is None:
+        return devices
+    if max(plan.devices) >= len(devices):
+        raise ClusterError(f"the plan runs on device {max(plan.devices)} of cluster "
+                           f"{plan.cluster!r}, but {len(devices)} devices were given")
+    return [devices[i] for i in plan.devices]

@@ -24,6 +24,7 @@ from hapsynth.ir.signature import of_program
 from hapsynth.ir.trace import Const, Program
 from hapsynth.lower import branches, collectives, cpu, schedule
 from hapsynth.lower import gspmd as _gspmd
+from hapsynth.lower.devices import plan_devices
 from hapsynth.lower.hook import BranchHook
 from hapsynth.lower.values import AXIS, Sharded, load_array, shard_array, spec, unshard
 from hapsynth.synth.plan import Plan
@@ -49,6 +50,7 @@ class Lowered:
         self.loop_form, self.branch_loops = loop_form, set()
         self.prog, self.plan = prog, plan
         donate = tuple(sorted(set(donate)))
+        devices = plan_devices(plan, devices)
         self.mesh = Mesh(np.asarray(devices), (AXIS,))
         self.k = len(devices)
         self.hook = branch_hook

@@ -67,6 +67,7 @@ class Plan:
     timeline: tuple[Span, ...] = ()   # one step per class lane and the sync lane (`timeline.py`)
     stages: list = field(default_factory=list)  # pipeline stages; [] for an SPMD-only plan
     pipeline: dict = None             # a pipeline's microbatches, cuts and schedule table
+    devices: tuple | None = None      # the cluster's devices it runs on (None: all; others idle)
 
     @property
     def strategies(self) -> tuple[str, ...]:
@@ -79,6 +80,12 @@ class Plan:
         diff = difference(self.signature, signature)
         if diff:
             raise PlanMismatch(f"this plan was made for another program: {diff}")
+        if cluster is not None and self.devices is not None:
+            if max(self.devices) >= cluster.num_devices:
+                raise PlanMismatch(f"this plan runs on devices up to {max(self.devices)} of "
+                                   f"cluster {self.cluster!r}; {cluster.name!r} has "
+                                   f"{cluster.num_devices}")
+            cluster = cluster.subset(self.devices, name=cluster.name)
         if cluster is not None:
             names = tuple(c.name for c in cluster.classes)
             counts = {len(v) for v in self.shard_units.values()}
@@ -110,6 +117,8 @@ class Plan:
                                  for c in d["conversions"])
         d["timeline"] = tuple(Span(**x) for x in d.get("timeline", ()))
         d["stages"] = list(d.get("stages", []))
+        if d.get("devices") is not None:
+            d["devices"] = tuple(d["devices"])
         d["shard_units"] = {int(k): tuple(v) for k, v in d["shard_units"].items()}
         d["signature"] = Signature(**{k: v if k == "digest" else tuple(v)
                                       for k, v in d["signature"].items()})
@@ -184,6 +193,8 @@ class Plan:
                      "not apply)"))
         lines.append(f"  ideal:       {base['ideal']:.4g} s (the plan is at "
                      f"{base['ideal'] / self.predicted_step_time:.0%} of the limit)")
+        if self.devices is not None:
+            lines.append(f"  devices:     {self.solver.get('devices', len(self.devices))}")
         lines += self.stage_lines()
         if self.solver.get("pipeline") and not self.stages:
             lines.append(f"  pipeline:    not chosen: {self.solver['pipeline']}")

@@ -78,7 +78,9 @@ def _plan_header(plan) -> str:
     solver = (f"ops: {sharded} of {len(plan.op_factors)} sharded; solver {s.get('status')} "
               f"gap {gap}, {s.get('wall', 0):.1f} s, {s.get('rounds', 0)} rounds, "
               f"{s.get('decisions', 0)} decisions")
-    return f'<p style="margin:4px 0"><b>{escape(head)}</b></p>' + _para(solver)
+    devices = ("" if plan.devices is None else
+               _para(f"devices: {s.get('devices', len(plan.devices))}"))
+    return f'<p style="margin:4px 0"><b>{escape(head)}</b></p>' + _para(solver) + devices
 
 
 def _plan_classes(plan) -> str:

@@ -13,8 +13,9 @@ Both then average and take one optax AdamW step (global-norm clipped).  The step
 i32[B, T + 1]`` sliced into next-token inputs and targets.
 
 Sizes: ``tiny`` (vocab 256, width 64, 4 heads, 2 layers, batch 32 = 4 x 8, 32 tokens)
-and ``paper`` (a GPT-2-small-ish LM: vocab 32000, width 512, 8 heads, 6 layers,
-MLP 2048, batch 512 = 8 microbatches x 64, 256 tokens; abstract).
+and ``paper`` (BERT-base size, as every transformer here: vocab 30522, width 768,
+12 heads, 12 layers, MLP 3072, batch 2048 = 8 microbatches x 256, 128 tokens;
+abstract).
 """
 from __future__ import annotations
 
@@ -43,8 +44,8 @@ class Config:
 CONFIGS = {
     "tiny": Config(vocab_size=256, d_model=64, num_heads=4, num_layers=2, d_ff=256,
                    batch=32, n_micro=4, seq_len=32, lr=3e-3),
-    "paper": Config(vocab_size=32000, d_model=512, num_heads=8, num_layers=6, d_ff=2048,
-                    batch=512, n_micro=8, seq_len=256),
+    "paper": Config(vocab_size=30522, d_model=768, num_heads=12, num_layers=12, d_ff=3072,
+                    batch=2048, n_micro=8, seq_len=128),
 }
 
 
