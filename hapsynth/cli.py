@@ -70,8 +70,8 @@ def cmd_plan(args) -> int:
         return 2
     step, example = loaded
     try:
-        plan = hs.parallelize(step, cluster=cluster, time_limit=args.time_limit,
-                              seed=args.seed).plan(*example)
+        plan = hs.parallelize(step, cluster=cluster, time_limit=args.time_limit, seed=args.seed,
+                              devices="all" if args.all_devices else "auto").plan(*example)
     except hs.InfeasibleMemory as err:
         print(f"hapsynth plan: {err}", file=sys.stderr)
         return 2
@@ -176,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="preset name or TOML path (see Cluster.presets())")
     pl.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT seconds in all")
     pl.add_argument("--seed", type=int, default=0)
+    pl.add_argument("--all-devices", action="store_true",
+                    help="every device works (by default a plan may leave slow or far ones idle)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.add_argument("--out", help="also write the plan's JSON to this file")
     pl.add_argument("--explain", action="store_true",

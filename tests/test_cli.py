@@ -36,6 +36,9 @@ def test_plan_a_step_from_a_file(user_file, capsys):
     d = json.loads(capsys.readouterr().out)
     assert d["cluster"] == "cpu-2-6" and d["state_leaves"] == 1
     assert d["predicted_step_time"] <= min(d["baselines"]["DP-EV"], d["baselines"]["DP-CP"]) + 1e-12
+    assert cli_main(["plan", f"{user_file}:make_step", "--cluster", "cpu-2-6",
+                     "--time-limit", "1", "--json", "--all-devices"]) == 0
+    assert json.loads(capsys.readouterr().out)["devices"] is None
 
 
 def test_inspect_a_step_from_a_module(user_file, monkeypatch, capsys):
