@@ -132,12 +132,17 @@ def test_auto_keeps_spmd_where_a_pipeline_prices_worse():
 
 @pytest.mark.slow
 def test_auto_pipelines_where_it_prices_better():
-    """GPT at its paper size over a 0.1 Gbps inter-island link: the pipeline prices
-    better than the best SPMD-only plan and is chosen."""
+    """GPT at its paper size over a 0.1 Gbps inter-island link, every device working: the
+    pipeline prices better than the best SPMD-only plan and is chosen. Allowed to leave
+    devices idle, the planner runs on the A100 island alone: nothing crosses the link."""
     step, args = get("gpt", "paper")
-    plan = hs.parallelize(step, cluster=two_islands("0.1Gbps"), time_limit=1).plan(*args)
+    plan = hs.parallelize(step, cluster=two_islands("0.1Gbps"), time_limit=1,
+                          devices="all").plan(*args)
     assert len(plan.stages) == 2 and plan.chosen == "pipeline"
     assert plan.predicted_step_time < plan.baselines["SPMD"]
+    auto = hs.parallelize(step, cluster=two_islands("0.1Gbps"), time_limit=1).plan(*args)
+    assert auto.devices is not None and not auto.stages
+    assert auto.predicted_step_time < plan.predicted_step_time
 
 
 def test_pipeline_true_on_one_island_says_why():
