@@ -93,6 +93,7 @@ def test_a_small_step_leaves_far_slow_devices_idle_and_equals_one_device():
     assert "2 of 8 devices" in plan.summary() and "6 idle" in plan.summary()
     assert "6 idle" in plan._repr_html_()
     assert set(plan.memory) == {"fast", "slow"} and plan.memory["slow"]["need"] == 0
+    assert plan.ratios == {"fast": 1.0, "slow": 0.0}  # every class has a share (the API's)
 
     ref = jax.jit(step)
     want = got = (params,)

@@ -82,6 +82,7 @@ def on_fewer_devices(graph: Graph, cluster: Cluster, best: Plan | None, plan_on:
         baseline_memory=base.baseline_memory if base else {},
         baseline_ops=base.baseline_ops if base else {},
         baseline_busy=base.baseline_busy if base else {},
+        ratios={c.name: plan.ratios.get(c.name, 0.0) for c in cluster.classes},
         memory={c.name: plan.memory.get(c.name, {"need": 0, "capacity": int(c.memory)})
                 for c in cluster.classes},  # idle classes too: the baselines run there
         solver={**plan.solver, "devices": _why(cluster, devs, best, unfit)})
