@@ -20,6 +20,11 @@ from hapsynth.synth.plan import Plan
 ALL = "all-devices"  # the baselines key: the best plan found that uses every device
 
 
+def flops_of(cluster: Cluster, devices) -> float:
+    """The FLOP/s of `devices` together."""
+    return sum(cluster.device_class(d).flops for d in devices)
+
+
 def candidates(cluster: Cluster) -> list[tuple[int, ...]]:
     """Device subsets worth planning on, fastest-first: the k fastest classes (k below the
     number of classes), the island and the host with the most FLOP/s."""
@@ -33,30 +38,26 @@ def candidates(cluster: Cluster) -> list[tuple[int, ...]]:
         hosts = sorted({d.host for d in cluster.devices})
         groups.append([tuple(d.index for d in cluster.devices if d.host == h) for h in hosts])
     for group in groups:
-        out.append(max(group, key=lambda ds: sum(cluster.device_class(d).flops for d in ds)))
+        out.append(max(group, key=lambda ds: flops_of(cluster, ds)))
     full = tuple(range(cluster.num_devices))
     return [s for s in dict.fromkeys(out) if s != full]
-
-
-def flops_of(cluster: Cluster, devices) -> float:
-    return sum(cluster.device_class(d).flops for d in devices)
 
 
 def on_fewer_devices(graph: Graph, cluster: Cluster, best: Plan | None, plan_on: Callable,
                      probe: Callable, baselines_of: Callable, min_gain: float,
                      unfit: Exception | None = None):
     """The best of `best` (the plan on every device; None when none fits, `unfit` saying
-    why) and plans on `candidates`, each made by `plan_on(subcluster)` when its lower bound
-    beats the best so far by `min_gain` and, unless it is under a third of it, so does
-    `probe(subcluster)` (a quick price there: data parallelism that fits, else infinity). `baselines_of()`: the data-parallel plan on every
-    device (or None), asked for only when `best` is None. A plan on fewer devices keeps the whole cluster's
+    why) and plans on `candidates`, each made by `plan_on(subcluster)` when its lower
+    bound beats the best so far by `min_gain` and, unless it is under a third of it, so
+    does `probe(subcluster)` (a quick price there: data parallelism that fits, else
+    infinity). `baselines_of()`: the data-parallel plan on every device (or None), asked
+    for only when `best` is None. A plan on fewer devices keeps the whole cluster's
     baselines and ideal (what a user would otherwise run there) and reports the plan on
     every device as `baselines["all-devices"]`. Raises `unfit` when nothing fits."""
-    ideal = graph.flops / cluster.total_flops
     target = best.predicted_step_time if best is not None else float("inf")
     winner = None
     for devs in sorted(candidates(cluster), key=lambda ds: -flops_of(cluster, ds)):
-        bound = ideal * cluster.total_flops / flops_of(cluster, devs)
+        bound = graph.flops / flops_of(cluster, devs)
         if bound >= target * (1 - min_gain):
             continue  # even perfectly balanced, these devices are too few
         sub = cluster.subset(devs)
@@ -78,7 +79,8 @@ def on_fewer_devices(graph: Graph, cluster: Cluster, best: Plan | None, plan_on:
         plan, cluster=cluster.name, devices=devs,
         chosen=f"{plan.chosen} on {len(devs)} of {cluster.num_devices} devices",
         baselines={**{k: v for k, v in (base.baselines if base else {}).items() if k != "ideal"},
-                   "ideal": ideal, ALL: best.predicted_step_time if best else float("nan")},
+                   "ideal": graph.flops / cluster.total_flops,
+                   ALL: best.predicted_step_time if best else float("nan")},
         baseline_memory=base.baseline_memory if base else {},
         baseline_ops=base.baseline_ops if base else {},
         baseline_busy=base.baseline_busy if base else {},
