@@ -53,7 +53,16 @@ def row(name: str, cluster: hs.Cluster, time_limit: float) -> str:
     ops = plan.baseline_ops.get("DP-EV", 0) if plan.baseline_ops else 0
     return (f"| {name} | {cluster.name} | {plan.predicted_step_time:.3f} | "
             f"{b['ideal'] / plan.predicted_step_time:.0%} | {dp('DP-EV')} | {dp('DP-CP')} | "
-            f"{ops} of {n} | {seconds:.1f} | {plan.chosen}{every(plan)} |")
+            f"{ops} of {n} | {seconds:.1f} | {plan.chosen}{every(plan)}{recomputed(plan)} |")
+
+
+def recomputed(plan) -> str:
+    """For a plan that recomputes activations (`ir/remat.py`): how much it holds less."""
+    if not plan.remat:
+        return ""
+    r = plan.remat
+    return (f", activations recomputed ({r['peak_before'] / 2**30:.0f} -> "
+            f"{r['peak_after'] / 2**30:.0f} GiB at the peak)")
 
 
 def every(plan) -> str:
@@ -70,7 +79,10 @@ NOTES = [
     "batch 2048: microseconds of compute per device, bound by collective latency on any cluster;",
     "`equinox_vit` (ViT-B/16, batch 2048) is the realistic-size Equinox model. \"no plan found",
     "fits\" names the device class that cannot hold the step (parameters, AdamW state and",
-    "activations at that batch) and by how much. \"on k of n devices\" is a plan that leaves",
+    "activations at that batch) and by how much, even with cheap activations recomputed in",
+    "the backward pass (`hapsynth/ir/remat.py`); \"activations recomputed\" rows hold too",
+    "much at the peak as written and fit once recomputed (the recomputation is priced).",
+    "\"on k of n devices\" is a plan that leaves",
     "the others idle (the slowest class, or all but one host: `hapsynth/synth/subsets.py`);",
     "its baselines and limit stay the whole cluster's, and \"every device\" is the best plan",
     "found that uses them all. `grad_accum` is BERT-base-sized (batch 2048 = 8 microbatches",

@@ -91,8 +91,8 @@ def measure(model: str, config: str, ratios, reps: int, time_limit: float,
     nstate = len(jax.tree.leaves(args[:2]))
 
     def plan(cluster, **kw) -> Plan:  # over both devices: the uneven split is what is measured
-        return synthesize_once(graph, cluster, num_state_leaves=nstate, devices="all",
-                               data_inputs=graph.inputs[nstate:], time_limit=time_limit, **kw)
+        return synthesize_once(prog, cluster, num_state_leaves=nstate, devices="all",
+                               time_limit=time_limit, **kw)[0]
 
     programs = {}
     emulate = WorkRepeat((1, 1))  # one knob for every program: the speed ratio of the devices

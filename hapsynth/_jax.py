@@ -45,6 +45,7 @@ LOOP_CARRY = Primitive("loop_carry")
 LOOP_STACK = Primitive("loop_stack")
 LOOP_MARKERS = (LOOP_SLICE.name, LOOP_CARRY.name, LOOP_STACK.name)
 COPY = jax.lax.copy_p  # an explicit identity, for a carry a body passes through
+BARRIER = jax.lax.optimization_barrier_p  # keeps XLA from merging a recomputation (remat)
 
 
 def scan_parts(eqn):

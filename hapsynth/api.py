@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import jax
 
@@ -9,6 +10,7 @@ from hapsynth import progress
 from hapsynth.cluster import Cluster
 from hapsynth.ir import inspect as _inspect
 from hapsynth.ir import lift_program, trace
+from hapsynth.ir.remat import cannot_fit, describe, rematerialize
 from hapsynth.ir.signature import of_graph
 from hapsynth.ir.views import fold_batch_splits
 from hapsynth.lower.devices import local_devices
@@ -35,6 +37,12 @@ def check_devices(devices) -> None:
     faster without them) or "all" (every device takes part)."""
     if devices not in ("auto", "all"):
         raise ValueError(f"devices must be 'auto' or 'all', got {devices!r}")
+
+
+def check_remat(remat) -> None:
+    """`remat` is "auto" (recompute cheap activations when no plan holds them) or False."""
+    if remat not in ("auto", False):
+        raise ValueError(f"remat must be 'auto' or False, got {remat!r}")
 
 
 def inspect(train_step, *example_args) -> dict:
@@ -158,12 +166,48 @@ def make_plan(graph, cluster, *, num_state_leaves: int, data_inputs, strategy: s
                             options.get("min_gain", Options.min_gain), unfit)
 
 
-def synthesize_once(graph, cluster, **kw) -> Plan:
-    """`make_plan` on process 0 only; with several processes the plan is shared."""
-    plan = make_plan(graph, cluster, **kw) if jax.process_index() == 0 else None
+def plan_program(prog, cluster, *, num_state_leaves: int, remat="auto",
+                 **kw) -> tuple[Plan, object]:
+    """`make_plan` for a traced step, and the program the plan runs: the step as written
+    or, when no plan holds its activations and `remat` is "auto", with cheap ones
+    recomputed in the backward pass (`ir/remat.py`; `plan.remat` says so)."""
+    check_remat(remat)
+
+    def plan_of(p) -> Plan:
+        graph = lift_program(p)
+        return make_plan(graph, cluster, num_state_leaves=num_state_leaves,
+                         data_inputs=graph.inputs[num_state_leaves:], **kw)
+
+    if remat is False:
+        return plan_of(prog), prog
+    memories = [cluster.device_class(i).memory for i in range(cluster.num_devices)]
+    hopeless = cannot_fit(prog, memories)  # no plan holds it as written: skip that try
+    if not hopeless:
+        try:
+            return plan_of(prog), prog
+        except InfeasibleMemory as err:
+            unfit = err
+    again = rematerialize(prog)
+    if again is None:  # nothing cheap to recompute
+        if hopeless:
+            return plan_of(prog), prog  # raises, naming the device class and the shortfall
+        raise unfit
+    try:
+        plan = plan_of(again)
+    except InfeasibleMemory as err:
+        raise InfeasibleMemory(f"{err} (with activations recomputed in the backward pass)") from None
+    return replace(plan, remat=describe(prog, again)), again
+
+
+def synthesize_once(prog, cluster, **kw) -> tuple[Plan, object]:
+    """`plan_program` on process 0 only; with several processes the plan is shared."""
+    plan = None
+    if jax.process_index() == 0:
+        plan, done = plan_program(prog, cluster, **kw)
     if jax.process_count() > 1:
         plan = Plan.from_json(from_process_zero(plan and plan.to_json()))
-    return plan
+        done = rematerialize(prog) if plan.remat else prog
+    return plan, done
 
 
 def donated_leaves(args, donate_argnums) -> list[int]:
@@ -183,7 +227,7 @@ class Parallelized:
     def __init__(self, train_step, cluster: Cluster, *, donate_argnums=(), time_limit: float = 10.0,
                  seed: int = 0, workers: int = 2, strategy: str = "auto", shares=None,
                  min_gain: float = 0.05, plan: Plan | None = None, verbose: bool | None = None,
-                 pipeline="auto", devices="auto"):
+                 pipeline="auto", devices="auto", remat="auto"):
         self.train_step = train_step
         self.given_plan = plan  # a saved plan to use instead of synthesising (checked)
         self.cluster = cluster if isinstance(cluster, Cluster) else Cluster.load(cluster)
@@ -193,9 +237,11 @@ class Parallelized:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         check_pipeline(pipeline)
         check_devices(devices)
+        check_remat(remat)
         self.options = {"time_limit": time_limit, "seed": seed, "workers": workers,
                         "strategy": strategy, "shares": shares,
-                        "min_gain": min_gain, "pipeline": pipeline, "devices": devices}
+                        "min_gain": min_gain, "pipeline": pipeline, "devices": devices,
+                        "remat": remat}
         self._plans: dict = {}
         self._programs: dict = {}
         self._lowered: dict = {}
@@ -216,13 +262,14 @@ class Parallelized:
         prog = trace(self.train_step, *args)
         prog = fold_batch_splits(prog, range(nstate, len(prog.inputs)))
         progress.phase("lift")
-        graph = lift_program(prog)
         if self.given_plan is not None:
-            self.given_plan.check(of_graph(graph), self.cluster)  # names what differs
+            if self.given_plan.remat:
+                prog = rematerialize(prog)
+            self.given_plan.check(of_graph(lift_program(prog)), self.cluster)  # names what differs
             self._plans[key] = self.given_plan
         else:
-            self._plans[key] = synthesize_once(graph, self.cluster, num_state_leaves=nstate,
-                                               data_inputs=graph.inputs[nstate:], **self.options)
+            self._plans[key], prog = synthesize_once(prog, self.cluster, num_state_leaves=nstate,
+                                                     **self.options)
         self._programs[key] = prog
 
     def lowered(self, *args) -> Lowered:
@@ -268,7 +315,8 @@ def parallelize(train_step=None, *, cluster, donate_argnums=(), **options):
     the cluster's islands when it prices faster than the best SPMD-only plan; True: a
     pipeline; False: SPMD only), `devices` ("auto": the plan may leave the slowest class,
     or all but the strongest island or host, idle when it prices faster that way; "all":
-    every device works), `verbose` (a progress bar while
+    every device works), `remat` ("auto": when no plan holds the step's activations, cheap
+    ones are recomputed in the backward pass; False: never), `verbose` (a progress bar while
     planning: None shows it when run in a terminal or a notebook, not in CI)."""
     if train_step is None:
         return lambda fn: Parallelized(fn, cluster, donate_argnums=donate_argnums, **options)

@@ -71,7 +71,8 @@ def cmd_plan(args) -> int:
     step, example = loaded
     try:
         plan = hs.parallelize(step, cluster=cluster, time_limit=args.time_limit, seed=args.seed,
-                              devices="all" if args.all_devices else "auto").plan(*example)
+                              devices="all" if args.all_devices else "auto",
+                              remat=False if args.no_remat else "auto").plan(*example)
     except hs.InfeasibleMemory as err:
         print(f"hapsynth plan: {err}", file=sys.stderr)
         return 2
@@ -178,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--seed", type=int, default=0)
     pl.add_argument("--all-devices", action="store_true",
                     help="every device works (by default a plan may leave slow or far ones idle)")
+    pl.add_argument("--no-remat", action="store_true",
+                    help="plan the step as written even when its activations do not fit "
+                         "(by default cheap ones are then recomputed in the backward pass)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.add_argument("--out", help="also write the plan's JSON to this file")
     pl.add_argument("--explain", action="store_true",

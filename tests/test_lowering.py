@@ -57,15 +57,16 @@ def run_three_steps(model, cluster):
     return par.plan(params, opt, batch)
 
 
-@pytest.mark.parametrize("model", ["mlp", "vgg", "vit", "bert", "gpt", "moe"])
+@pytest.mark.parametrize("model", ["mlp", "vgg", "vit", "bert", "gpt",
+                                   pytest.param("moe", marks=pytest.mark.slow)])
 def test_zoo_on_two_classes(model):
     run_three_steps(model, CLUSTERS["2+6"]())
 
 
 @pytest.mark.parametrize("model,cluster", [
-    ("mlp", "even"), ("mlp", "1+1+2+4"), ("vgg", "1+1+2+4"),
+    ("mlp", "even"), ("mlp", "1+1+2+4"),
     *(pytest.param(m, c, marks=pytest.mark.slow)  # gpt and vgg on 2+6 run by default
-      for m, c in (("gpt", "even"), ("vgg", "even"), ("gpt", "1+1+2+4")))])
+      for m, c in (("gpt", "even"), ("vgg", "even"), ("gpt", "1+1+2+4"), ("vgg", "1+1+2+4")))])
 def test_more_clusters(model, cluster):
     plan = run_three_steps(model, CLUSTERS[cluster]())
     if cluster == "1+1+2+4" and model == "vgg":

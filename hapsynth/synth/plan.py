@@ -68,6 +68,7 @@ class Plan:
     stages: list = field(default_factory=list)  # pipeline stages; [] for an SPMD-only plan
     pipeline: dict = None             # a pipeline's microbatches, cuts and schedule table
     devices: tuple | None = None      # the cluster's devices it runs on (None: all; others idle)
+    remat: dict | None = None         # activations recomputed (`ir/remat.py`): eqns, peaks
 
     @property
     def strategies(self) -> tuple[str, ...]:
@@ -195,6 +196,11 @@ class Plan:
                      f"{base['ideal'] / self.predicted_step_time:.0%} of the limit)")
         if self.devices is not None:
             lines.append(f"  devices:     {self.solver.get('devices', len(self.devices))}")
+        if self.remat:
+            r = self.remat
+            lines.append(f"  remat:       {r['recomputed']} ops recomputed in the backward pass "
+                         f"(activations at the peak {r['peak_before'] / 2**30:.1f} -> "
+                         f"{r['peak_after'] / 2**30:.1f} GiB in all)")
         lines += self.stage_lines()
         if self.solver.get("pipeline") and not self.stages:
             lines.append(f"  pipeline:    not chosen: {self.solver['pipeline']}")

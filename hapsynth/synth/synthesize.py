@@ -288,7 +288,10 @@ def with_pipeline(graph: Graph, cluster: Cluster, spmd: Plan | None, *, num_stat
     if pipe is None:
         return keep("no stage cut: too few parameters or microbatches for the islands")
     if not pipe.fits:
-        return keep(f"the best pipeline found does not fit memory ({pipe.step:.4g} s)")
+        why = f"the best pipeline found does not fit memory ({pipe.step:.4g} s)"
+        if pipeline is True:  # memory, not the step's shape: recomputation may still fit it
+            raise InfeasibleMemory(f"pipeline=True: {why}")
+        return keep(why)
     if spmd is not None and pipeline is not True \
             and pipe.step > spmd.predicted_step_time * (1 - min_gain):
         return keep(f"SPMD prices better: {spmd.predicted_step_time:.4g} s vs the best pipeline's "

@@ -76,8 +76,8 @@ def threefry2x32(eqn):
     return rule(*aligned_dims(eqn))
 
 
-@register("optimization_barrier", "device_put")
+@register("optimization_barrier", "device_put", layout_only=True)
 def optimization_barrier(eqn):
-    """Identity on each operand: operand i dim d <-> result i dim d."""
+    """Identity on each operand: operand i dim d <-> result i dim d (it follows them)."""
     return rule(*[par(n, [(i, d)], [(i, d)]) for i, a in enumerate(eqn.in_avals)
                   for d, n in enumerate(a.shape)])

@@ -1,0 +1,233 @@
+"""Rematerialization of a traced step: recompute cheap activations in the backward pass
+instead of holding them across the memory peak (what `jax.checkpoint` with a
+"save the contractions" policy does, applied after differentiation).
+
+The peak of a train step sits where the forward pass ends: every activation the
+backward pass reads is live there. An activation made by a cheap op (elementwise, a
+layout change, a reduction, an embedding lookup) from values held anyway (the step's
+inputs, results of contractions kept across the peak) can be recomputed just before its
+first backward reader instead. Each recomputation reads its inputs through an
+`optimization_barrier`, as `jax.checkpoint` does, so that XLA does not merge it with the
+forward op again. Loop regions are kept as they are; their bodies are never copied.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from hapsynth import _jax
+from hapsynth.ir.rules.registry import facts
+from hapsynth.ir.trace import Eqn, Program, loops_of
+
+#: Cheap to recompute beyond the elementwise and layout-only ops: reductions (a norm's
+#: statistics) and lookups that read held tensors (an embedding table, the ids).
+RECOMPUTABLE = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin",
+                "gather", "dynamic_slice", "slice", "concatenate", "pad", "select_n", "clamp",
+                "rev", "squeeze", "expand_dims"}
+MAX_CHAIN = 48  # eqns recomputed for one activation at most
+
+
+def recomputable(e: Eqn) -> bool:
+    if e.loop is not None or e.name in _jax.LOOP_MARKERS or e.primitive.multiple_results:
+        return False
+    f = facts(e.name)
+    return (f.follower and not f.free) or e.name in RECOMPUTABLE
+
+
+def _last_reads(prog: Program) -> dict[int, int]:
+    """Tensor id -> index of its last reader (a loop region's reads last to its end)."""
+    end_of = {lp.id: lp.end - 1 for lp in prog.loops}
+    last: dict[int, int] = {}
+    for i, e in enumerate(prog.eqns):
+        at = i if e.loop is None else end_of[e.loop]
+        for x in e.inputs:
+            if isinstance(x, int):
+                last[x] = max(last.get(x, -1), at)
+    for x in prog.outputs:
+        if isinstance(x, int):
+            last[x] = len(prog.eqns)
+    return last
+
+
+def live_profile(prog: Program) -> np.ndarray:
+    """Bytes of intermediates live after each eqn (inputs and constants not counted)."""
+    last = _last_reads(prog)
+    diff = np.zeros(len(prog.eqns) + 2)
+    for i, e in enumerate(prog.eqns):
+        for t in e.outputs:
+            if t in last:
+                diff[i] += prog.avals[t].nbytes
+                diff[last[t] + 1] -= prog.avals[t].nbytes
+    return np.cumsum(diff)[:len(prog.eqns)]
+
+
+def peak_bytes(prog: Program) -> float:
+    prof = live_profile(prog)
+    return float(prof.max()) if len(prof) else 0.0
+
+
+def rematerialize(prog: Program, rounds: int = 4) -> Program | None:
+    """`prog` with cheap activations recomputed after the memory peak, or None when that
+    lowers the peak by nothing. Repeats while the (moved) peak falls by 5% or more."""
+    out, best = None, peak_bytes(prog)
+    for _ in range(rounds):
+        nxt = _one_round(out or prog)
+        if nxt is None:
+            break
+        peak = peak_bytes(nxt)
+        if peak > best * 0.95:
+            break
+        out, best = nxt, peak
+    return out
+
+
+def _one_round(prog: Program) -> Program | None:
+    eqns, avals = prog.eqns, prog.avals
+    n = len(eqns)
+    if not n:
+        return None
+    p = int(np.argmax(live_profile(prog)))
+    producer = {t: i for i, e in enumerate(eqns) for t in e.outputs}
+    readers: dict[int, list[int]] = {}
+    for i, e in enumerate(eqns):
+        for x in e.inputs:
+            if isinstance(x, int):
+                readers.setdefault(x, []).append(i)
+    last = _last_reads(prog)
+    size = lambda t: avals[t].nbytes
+    held = {t for t, i in producer.items() if i <= p and last.get(t, -1) > p}  # across the peak
+
+    def chain(t: int, held_now: set) -> tuple[list[int], set[int]] | None:
+        """Eqns (in program order) recomputing t from held tensors, and the tensors it
+        must hold that are not held today."""
+        need, new, todo, seen = set(), set(), [t], set()
+        while todo:
+            u = todo.pop()
+            if u in seen:
+                continue
+            seen.add(u)
+            i = producer[u]
+            need.add(i)
+            if len(need) > MAX_CHAIN:
+                return None
+            for x in eqns[i].inputs:
+                if not isinstance(x, int) or x not in producer or x in held_now:
+                    continue
+                if recomputable(eqns[producer[x]]):
+                    todo.append(x)
+                else:
+                    new.add(x)
+        return sorted(need), new
+
+    def siblings(new: set, skip: set) -> list[int]:
+        """Held tensors made from `new` by recomputable ops before the peak."""
+        found, todo, seen = [], list(new), set()
+        while todo and len(seen) < 4 * MAX_CHAIN:
+            for r in readers.get(todo.pop(), ()):
+                if r > p or r in seen or not recomputable(eqns[r]):
+                    continue
+                seen.add(r)
+                found += [o for o in eqns[r].outputs if o in held_now and o not in skip]
+                todo += eqns[r].outputs
+        return list(dict.fromkeys(found))
+
+    plans: dict[int, list[int]] = {}
+    held_now, pinned = set(held), set()  # pinned: read by an accepted recomputation
+    usable = lambda t: (t not in prog.outputs and t not in pinned and t not in plans
+                        and recomputable(eqns[producer[t]]))
+    for t in sorted(held, key=size, reverse=True):
+        if not usable(t):
+            continue
+        c = chain(t, held_now - {t})
+        if c is None:
+            continue
+        group, new = {t: c[0]}, c[1]
+        if new and sum(size(x) for x in new) >= size(t):
+            # several activations made from the same new tensor may pay for it together
+            # (a softmax's exp and its normalised probabilities, from the scores)
+            for u in siblings(new, {t}):
+                cu = chain(u, (held_now - {t, u} - set(group)) | new) if usable(u) else None
+                if cu is not None and cu[1] <= new:
+                    group[u] = cu[0]
+            if sum(size(x) for x in new) >= sum(size(u) for u in group):
+                continue
+        plans.update(group)
+        held_now = (held_now - set(group)) | new
+        pinned |= {x for need in group.values() for i in need for x in eqns[i].inputs
+                   if isinstance(x, int)}
+    if not plans:
+        return None
+    return _rewrite(prog, plans, readers, p)
+
+
+def _rewrite(prog: Program, plans: dict[int, list[int]], readers, p: int) -> Program:
+    """Insert each activation's recomputation before its first reader after the peak
+    (before the loop region that reader runs in) and point the later readers at it."""
+    eqns, avals = list(prog.eqns), list(prog.avals)
+    start_of = {lp.id: lp.start for lp in prog.loops}
+    at: dict[int, list[int]] = {}
+    for t in plans:
+        first = min(r for r in readers[t] if r > p)
+        e = eqns[first]
+        at.setdefault(start_of[e.loop] if e.loop is not None else first, []).append(t)
+    renamed: dict[int, dict[int, int]] = {}  # insertion index -> {old tensor: copy}
+    inserted: dict[int, list[Eqn]] = {}
+
+    def fresh(aval) -> int:
+        avals.append(aval)
+        return len(avals) - 1
+
+    for where, ts in at.items():
+        ren: dict[int, int] = {}
+        new: list[Eqn] = []
+        todo = sorted({i for t in ts for i in plans[t]})
+        cloned_outs = {o for i in todo for o in eqns[i].outputs}
+        leaves = sorted({x for i in todo for x in eqns[i].inputs
+                         if isinstance(x, int) and x not in cloned_outs and x not in prog.inputs})
+        for x in leaves:  # the barrier keeps XLA from merging the copy with the original
+            y = fresh(avals[x])
+            new.append(Eqn(_jax.BARRIER, {}, (x,), (y,), (avals[x],), (avals[x],),
+                           source="remat"))
+            ren[x] = y
+        for i in todo:
+            e = eqns[i]
+            outs = tuple(fresh(avals[o]) for o in e.outputs)
+            ren.update(zip(e.outputs, outs))
+            new.append(replace(e, inputs=tuple(ren.get(x, x) if isinstance(x, int) else x
+                                               for x in e.inputs), outputs=outs,
+                               source=(e.source + " (recomputed)").strip()))
+        inserted[where] = new
+        renamed[where] = {t: ren[t] for t in ts}
+    # readers after the peak read the copy made at or before them
+    points = sorted(renamed)
+    out: list[Eqn] = []
+    for i, e in enumerate(eqns):
+        out.extend(inserted.get(i, ()))
+        if i > p:
+            sub = {}
+            for w in points:
+                if w <= i or (e.loop is not None and w == start_of[e.loop]):
+                    sub.update(renamed[w])
+            if sub and any(isinstance(x, int) and x in sub for x in e.inputs):
+                e = replace(e, inputs=tuple(sub.get(x, x) if isinstance(x, int) else x
+                                            for x in e.inputs))
+        out.append(e)
+    params = {lp.id: (lp.length, lp.reverse) for lp in prog.loops}
+    return replace(prog, eqns=tuple(out), avals=tuple(avals), loops=loops_of(out, params))
+
+
+def describe(before: Program, after: Program) -> dict:
+    """What `rematerialize` did, for `Plan.remat`: ops recomputed, peak bytes before/after."""
+    return {"recomputed": sum(e.source.endswith("(recomputed)") for e in after.eqns)
+            - sum(e.source.endswith("(recomputed)") for e in before.eqns),
+            "peak_before": peak_bytes(before), "peak_after": peak_bytes(after)}
+
+
+def cannot_fit(prog: Program, capacities) -> bool:
+    """True when no plan can hold `prog`'s peak activations on devices of these memory
+    capacities: sharded tensors are stored padded alike on every device, so devices used
+    together hold at most (how many) x (the smallest one's memory)."""
+    caps = sorted(capacities, reverse=True)
+    room = max((k + 1) * c for k, c in enumerate(caps)) if caps else 0
+    return peak_bytes(prog) > room

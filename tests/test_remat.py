@@ -1,0 +1,147 @@
+"""Rematerialization (`hapsynth/ir/remat.py`): a step whose activations no plan can hold
+is planned with cheap ones recomputed in the backward pass, and still computes what
+the step as written computes."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from elsewhere import get
+
+import hapsynth as hs
+from hapsynth.ir.remat import cannot_fit, peak_bytes, rematerialize
+from hapsynth.ir.trace import evaluate, trace
+
+
+@functools.lru_cache(maxsize=None)
+def _programs(name="nnx_gpt"):
+    step, args = get(name, "tiny")
+    prog = trace(step, *args)
+    return step, args, prog, rematerialize(prog)
+
+
+def _mlp_step(params, x, y):
+    """Two GELU layers with a layer norm and a softmax loss, SGD: plain JAX."""
+    def loss(p):
+        h = x
+        for w in p:
+            h = jax.nn.gelu(h @ w)
+            h = (h - h.mean(-1, keepdims=True)) * jax.lax.rsqrt(h.var(-1, keepdims=True) + 1e-5)
+        return -(jax.nn.log_softmax(h) * y).sum(-1).mean()
+    val, g = jax.value_and_grad(loss)(params)
+    return [w - 0.1 * d for w, d in zip(params, g)], val
+
+
+def test_recomputed_program_computes_the_same_and_holds_less():
+    rng = np.random.default_rng(0)
+    params = [jnp.asarray(rng.normal(size=(64, 64)) / 8, jnp.float32) for _ in range(2)]
+    x = jnp.asarray(rng.normal(size=(32, 64)), jnp.float32)
+    y = jax.nn.one_hot(jnp.arange(32) % 64, 64)
+    prog = trace(_mlp_step, params, x, y)
+    again = rematerialize(prog)
+    assert again is not None
+    assert peak_bytes(again) < 0.75 * peak_bytes(prog)
+    flat = jax.tree.leaves((params, x, y))
+    want, got = evaluate(prog, flat), evaluate(again, flat)
+    for a, b in zip(prog.outputs, again.outputs):
+        np.testing.assert_array_equal(np.asarray(got[b]), np.asarray(want[a]))
+    # every copy reads what it does not make itself through an optimization barrier,
+    # so that XLA cannot merge it with the forward op it repeats
+    copies = [e for e in again.eqns if e.source.endswith("(recomputed)")]
+    assert copies
+    made_by = {t: e for e in again.eqns for t in e.outputs}
+    copied = {t for e in copies for t in e.outputs}
+    for e in copies:
+        for x in e.inputs:
+            if isinstance(x, int) and x not in copied and x not in again.inputs:
+                assert made_by[x].name == "optimization_barrier", (e.name, made_by[x].name)
+
+
+def test_paper_size_transformer_holds_far_less():
+    step, args = get("nnx_gpt", "paper")
+    prog = trace(step, *args)
+    again = rematerialize(prog)
+    assert peak_bytes(again) < 0.6 * peak_bytes(prog)
+    step, args = get("scan_gpt", "paper")
+    assert rematerialize(trace(step, *args)) is None  # checkpointed already: nothing to gain
+
+
+def test_cannot_fit_counts_devices_used_together():
+    _, _, prog, _ = _programs()
+    peak = peak_bytes(prog)
+    assert cannot_fit(prog, [peak / 8 * 0.9] * 8)
+    assert not cannot_fit(prog, [peak / 8 * 1.1] * 8)
+    # four big devices hold it alone, whatever the small ones have
+    assert not cannot_fit(prog, [peak / 4 * 1.1] * 4 + [1.0] * 4)
+
+
+def _tight_cluster(prog, fraction):
+    """8 CPU devices with memory for the step's inputs and `fraction` of its peak / 8."""
+    inputs = sum(prog.avals[t].nbytes for t in prog.inputs)
+    return hs.Cluster.simulated([("CPU", 8, {"memory": int(inputs + fraction * peak_bytes(prog) / 8)})])
+
+
+def test_a_step_too_big_as_written_is_planned_recomputed_and_equals_one_device():
+    from test_lowering import compare
+
+    step, args, prog, again = _programs()
+    cluster = _tight_cluster(prog, 0.2)
+    with pytest.raises(hs.InfeasibleMemory, match="CPU"):  # as written, nothing fits
+        hs.parallelize(step, cluster=cluster, time_limit=1, remat=False).plan(*args)
+    par = hs.parallelize(step, cluster=cluster, time_limit=1)
+    plan = par.plan(*args)
+    assert plan.remat is not None and plan.remat["recomputed"] > 0, plan.summary()
+    assert plan.remat["peak_after"] == peak_bytes(again) < plan.remat["peak_before"]
+    assert plan.memory["CPU"]["need"] <= plan.memory["CPU"]["capacity"]
+    assert "recomputed in the backward pass" in plan.summary()
+
+    ref = jax.jit(step)
+    got = want = args
+    for _ in range(3):
+        want = ref(want[0], args[1])
+        got = par(got[0], args[1])
+        compare(hs.gather(got), want)
+
+    again_plan = hs.Plan.from_json(plan.to_json())
+    assert again_plan == plan
+    reused = hs.parallelize(step, cluster=cluster, plan=again_plan)
+    compare(hs.gather(reused(*args)), ref(*args))
+
+
+def test_too_big_even_recomputed_says_so():
+    step, args, prog, _ = _programs()
+    inputs = sum(prog.avals[t].nbytes for t in prog.inputs)
+    cluster = hs.Cluster.simulated([("CPU", 8, {"memory": inputs // 8})])
+    with pytest.raises(hs.InfeasibleMemory, match="with activations recomputed"):
+        hs.parallelize(step, cluster=cluster, time_limit=1).plan(*args)
+
+
+def test_remat_option_is_checked():
+    step, _, _, _ = _programs()
+    with pytest.raises(ValueError, match="remat must be"):
+        hs.parallelize(step, cluster=hs.Cluster.load("cpu8-even"), remat="always")
+
+
+@pytest.mark.slow
+def test_a_pipeline_too_big_as_written_is_recomputed_and_equals_one_device():
+    """pipeline=True on two islands whose memory holds only the recomputed step."""
+    from test_pipeline import _three_steps
+
+    from hapsynth.models import get as zoo
+
+    step, args = zoo("gpt", "tiny")
+    prog = trace(step, *args)
+    inputs = sum(prog.avals[t].nbytes for t in prog.inputs)
+    memory = {"memory": int(inputs + 0.2 * peak_bytes(prog) / 8)}
+    cluster = hs.Cluster.simulated([("A100", 4, memory), ("V100", 4, memory)],
+                                   devices_per_host=4, islands={"a": ["A100"], "b": ["V100"]},
+                                   links={"inter_island": {"bandwidth": "10Gbps",
+                                                           "latency": "50us"}})
+    with pytest.raises(hs.InfeasibleMemory, match="pipeline=True"):
+        hs.parallelize(step, cluster=cluster, pipeline=True, time_limit=1,
+                       remat=False).plan(*args)
+    plan, _ = _three_steps(step, args, cluster)
+    assert len(plan.stages) == 2 and plan.remat["recomputed"] > 0
