@@ -97,6 +97,7 @@ def test_a_step_too_big_as_written_is_planned_recomputed_and_equals_one_device()
     assert plan.remat["peak_after"] == peak_bytes(again) < plan.remat["peak_before"]
     assert plan.memory["CPU"]["need"] <= plan.memory["CPU"]["capacity"]
     assert "recomputed in the backward pass" in plan.summary()
+    assert "recomputed in the backward pass" in plan._repr_html_()
 
     ref = jax.jit(step)
     got = want = args

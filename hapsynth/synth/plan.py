@@ -70,6 +70,14 @@ class Plan:
     devices: tuple | None = None      # the cluster's devices it runs on (None: all; others idle)
     remat: dict | None = None         # activations recomputed (`ir/remat.py`): eqns, peaks
 
+    def remat_text(self) -> str:
+        """What recomputation did, in words ("" when the step runs as written)."""
+        if not self.remat:
+            return ""
+        r = self.remat
+        return (f"{r['recomputed']} ops recomputed in the backward pass (activations at the "
+                f"peak {r['peak_before'] / 2**30:.1f} -> {r['peak_after'] / 2**30:.1f} GiB in all)")
+
     @property
     def strategies(self) -> tuple[str, ...]:
         """The chosen strategy's name per node."""
@@ -197,10 +205,7 @@ class Plan:
         if self.devices is not None:
             lines.append(f"  devices:     {self.solver.get('devices', len(self.devices))}")
         if self.remat:
-            r = self.remat
-            lines.append(f"  remat:       {r['recomputed']} ops recomputed in the backward pass "
-                         f"(activations at the peak {r['peak_before'] / 2**30:.1f} -> "
-                         f"{r['peak_after'] / 2**30:.1f} GiB in all)")
+            lines.append(f"  remat:       {self.remat_text()}")
         lines += self.stage_lines()
         if self.solver.get("pipeline") and not self.stages:
             lines.append(f"  pipeline:    not chosen: {self.solver['pipeline']}")

@@ -80,7 +80,9 @@ def _plan_header(plan) -> str:
               f"{s.get('decisions', 0)} decisions")
     devices = ("" if plan.devices is None else
                _para(f"devices: {s.get('devices', len(plan.devices))}"))
-    return f'<p style="margin:4px 0"><b>{escape(head)}</b></p>' + _para(solver) + devices
+    remat = _para(f"remat: {plan.remat_text()}") if plan.remat else ""
+    return (f'<p style="margin:4px 0"><b>{escape(head)}</b></p>' + _para(solver) + devices
+            + remat)
 
 
 def _plan_classes(plan) -> str:
