@@ -10,7 +10,7 @@ from hapsynth import progress
 from hapsynth.cluster import Cluster
 from hapsynth.ir import inspect as _inspect
 from hapsynth.ir import lift_program, trace
-from hapsynth.ir.remat import cannot_fit, describe, rematerialize
+from hapsynth.ir.remat import cannot_fit, describe, rematerialize, room
 from hapsynth.ir.signature import of_graph
 from hapsynth.ir.views import fold_batch_splits
 from hapsynth.lower.devices import local_devices
@@ -187,16 +187,24 @@ def plan_program(prog, cluster, *, num_state_leaves: int, remat="auto",
             return plan_of(prog), prog
         except InfeasibleMemory as err:
             unfit = err
-    again = rematerialize(prog)
-    if again is None:  # nothing cheap to recompute
+    # as little recomputation as the memory may need (data parallelism holds the state
+    # whole on every device), then all of it
+    state = sum(prog.avals[t].nbytes for t in prog.inputs[:num_state_leaves])
+    target = 0.9 * room(memories, state)
+    light, full = rematerialize(prog, target), rematerialize(prog)
+    tries = [(p, t) for p, t in ((light, target), (full, None)) if p is not None]
+    if light is not None and full is not None and len(light.eqns) == len(full.eqns):
+        tries = [(full, None)]
+    if not tries:  # nothing cheap to recompute
         if hopeless:
             return plan_of(prog), prog  # raises, naming the device class and the shortfall
         raise unfit
-    try:
-        plan = plan_of(again)
-    except InfeasibleMemory as err:
-        raise InfeasibleMemory(f"{err} (with activations recomputed in the backward pass)") from None
-    return replace(plan, remat=describe(prog, again)), again
+    for again, t in tries:
+        try:
+            return replace(plan_of(again), remat=describe(prog, again, t)), again
+        except InfeasibleMemory as err:
+            unfit = err
+    raise InfeasibleMemory(f"{unfit} (with activations recomputed in the backward pass)")
 
 
 def synthesize_once(prog, cluster, **kw) -> tuple[Plan, object]:
@@ -206,8 +214,13 @@ def synthesize_once(prog, cluster, **kw) -> tuple[Plan, object]:
         plan, done = plan_program(prog, cluster, **kw)
     if jax.process_count() > 1:
         plan = Plan.from_json(from_process_zero(plan and plan.to_json()))
-        done = rematerialize(prog) if plan.remat else prog
+        done = program_of(plan, prog)
     return plan, done
+
+
+def program_of(plan: Plan, prog):
+    """The program `plan` runs: `prog`, rewritten the way it was when planned."""
+    return rematerialize(prog, plan.remat["target"]) if plan.remat else prog
 
 
 def donated_leaves(args, donate_argnums) -> list[int]:
@@ -263,8 +276,7 @@ class Parallelized:
         prog = fold_batch_splits(prog, range(nstate, len(prog.inputs)))
         progress.phase("lift")
         if self.given_plan is not None:
-            if self.given_plan.remat:
-                prog = rematerialize(prog)
+            prog = program_of(self.given_plan, prog)
             self.given_plan.check(of_graph(lift_program(prog)), self.cluster)  # names what differs
             self._plans[key] = self.given_plan
         else:

@@ -67,12 +67,17 @@ def peak_bytes(prog: Program) -> float:
     return float(prof.max()) if len(prof) else 0.0
 
 
-def rematerialize(prog: Program, rounds: int = 4) -> Program | None:
+def rematerialize(prog: Program, target: float | None = None,
+                  rounds: int = 4) -> Program | None:
     """`prog` with cheap activations recomputed after the memory peak, or None when that
-    lowers the peak by nothing. Repeats while the (moved) peak falls by 5% or more."""
+    lowers the peak by nothing. With a `target` (bytes), only as many as bring the peak
+    there (the largest first); without, all. Repeats while the (moved) peak falls by 5%
+    or more and is above `target`."""
     out, best = None, peak_bytes(prog)
     for _ in range(rounds):
-        nxt = _one_round(out or prog)
+        if target is not None and best <= target:
+            break
+        nxt = _one_round(out or prog, target)
         if nxt is None:
             break
         peak = peak_bytes(nxt)
@@ -82,12 +87,14 @@ def rematerialize(prog: Program, rounds: int = 4) -> Program | None:
     return out
 
 
-def _one_round(prog: Program) -> Program | None:
+def _one_round(prog: Program, target: float | None = None) -> Program | None:
     eqns, avals = prog.eqns, prog.avals
     n = len(eqns)
     if not n:
         return None
-    p = int(np.argmax(live_profile(prog)))
+    profile = live_profile(prog)
+    p = int(np.argmax(profile))
+    at_peak = float(profile[p])  # estimated as recomputations are chosen
     producer = {t: i for i, e in enumerate(eqns) for t in e.outputs}
     readers: dict[int, list[int]] = {}
     for i, e in enumerate(eqns):
@@ -137,6 +144,8 @@ def _one_round(prog: Program) -> Program | None:
     usable = lambda t: (t not in prog.outputs and t not in pinned and t not in plans
                         and recomputable(eqns[producer[t]]))
     for t in sorted(held, key=size, reverse=True):
+        if target is not None and at_peak <= target:
+            break
         if not usable(t):
             continue
         c = chain(t, held_now - {t})
@@ -153,6 +162,7 @@ def _one_round(prog: Program) -> Program | None:
             if sum(size(x) for x in new) >= sum(size(u) for u in group):
                 continue
         plans.update(group)
+        at_peak -= sum(size(u) for u in group) - sum(size(x) for x in new - held_now)
         held_now = (held_now - set(group)) | new
         pinned |= {x for need in group.values() for i in need for x in eqns[i].inputs
                    if isinstance(x, int)}
@@ -217,17 +227,23 @@ def _rewrite(prog: Program, plans: dict[int, list[int]], readers, p: int) -> Pro
     return replace(prog, eqns=tuple(out), avals=tuple(avals), loops=loops_of(out, params))
 
 
-def describe(before: Program, after: Program) -> dict:
-    """What `rematerialize` did, for `Plan.remat`: ops recomputed, peak bytes before/after."""
-    return {"recomputed": sum(e.source.endswith("(recomputed)") for e in after.eqns)
+def describe(before: Program, after: Program, target: float | None) -> dict:
+    """What `rematerialize(before, target)` did, for `Plan.remat`: its target (to do it
+    again on a saved plan's program), ops recomputed, peak bytes before and after."""
+    return {"target": target,
+            "recomputed": sum(e.source.endswith("(recomputed)") for e in after.eqns)
             - sum(e.source.endswith("(recomputed)") for e in before.eqns),
             "peak_before": peak_bytes(before), "peak_after": peak_bytes(after)}
 
 
-def cannot_fit(prog: Program, capacities) -> bool:
-    """True when no plan can hold `prog`'s peak activations on devices of these memory
-    capacities: sharded tensors are stored padded alike on every device, so devices used
-    together hold at most (how many) x (the smallest one's memory)."""
+def room(capacities, held: float = 0.0) -> float:
+    """The most activation bytes devices of these memory capacities can hold together,
+    each also holding `held` bytes: sharded tensors are stored padded alike on every
+    device, so devices used together hold at most (how many) x (the smallest one's)."""
     caps = sorted(capacities, reverse=True)
-    room = max((k + 1) * c for k, c in enumerate(caps)) if caps else 0
-    return peak_bytes(prog) > room
+    return max([(k + 1) * (c - held) for k, c in enumerate(caps)] + [0.0])
+
+
+def cannot_fit(prog: Program, capacities) -> bool:
+    """True when no plan can hold `prog`'s peak activations on these devices."""
+    return peak_bytes(prog) > room(capacities)
