@@ -56,8 +56,8 @@ def test_recomputed_program_computes_the_same_and_holds_less():
     copied = {t for e in copies for t in e.outputs}
     for e in copies:
         for x in e.inputs:
-            if isinstance(x, int) and x not in copied and x not in again.inputs:
-                assert made_by[x].name == "optimization_barrier", (e.name, made_by[x].name)
+            if isinstance(x, int) and x not in copied:  # step inputs too: no op repeats
+                assert x in made_by and made_by[x].name == "optimization_barrier", e.name
 
 
 def test_paper_size_transformer_holds_far_less():

@@ -194,8 +194,9 @@ def _rewrite(prog: Program, plans: dict[int, list[int]], readers, p: int) -> Pro
         todo = sorted({i for t in ts for i in plans[t]})
         cloned_outs = {o for i in todo for o in eqns[i].outputs}
         leaves = sorted({x for i in todo for x in eqns[i].inputs
-                         if isinstance(x, int) and x not in cloned_outs and x not in prog.inputs})
+                         if isinstance(x, int) and x not in cloned_outs})
         for x in leaves:  # the barrier keeps XLA from merging the copy with the original
+            # (inputs too: a copy reading only inputs would be the very same op)
             y = fresh(avals[x])
             new.append(Eqn(_jax.BARRIER, {}, (x,), (y,), (avals[x],), (avals[x],),
                            source="remat"))
@@ -217,7 +218,7 @@ def _rewrite(prog: Program, plans: dict[int, list[int]], readers, p: int) -> Pro
         if i > p:
             sub = {}
             for w in points:
-                if w <= i or (e.loop is not None and w == start_of[e.loop]):
+                if w <= i:  # (a loop's readers: the copy is made before the loop starts)
                     sub.update(renamed[w])
             if sub and any(isinstance(x, int) and x in sub for x in e.inputs):
                 e = replace(e, inputs=tuple(sub.get(x, x) if isinstance(x, int) else x
