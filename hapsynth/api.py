@@ -149,21 +149,29 @@ def make_plan(graph, cluster, *, num_state_leaves: int, data_inputs, strategy: s
         return best
 
     def baselines_of(c: Cluster = cluster) -> Plan | None:
-        try:
-            return data_parallel_plan(graph, c, num_state_leaves=num_state_leaves,
-                                      data_inputs=data_inputs)
-        except NoDataParallelism:
-            return None
+        return data_parallel_or_none(graph, c, num_state_leaves, data_inputs)
 
     def probe(c: Cluster) -> float:
-        """Data parallelism's best fitting time on `c` (infinity when none fits)."""
-        dp = baselines_of(c)
-        cap = min(k.memory for k in c.classes)
-        return min((dp.baselines[k] for k in ("DP-EV", "DP-CP") if dp and k in dp.baselines
-                    and dp.baseline_memory[k] <= cap), default=float("inf"))
+        return fitting_data_parallel(graph, c, num_state_leaves, data_inputs)
 
     return on_fewer_devices(graph, cluster, best, plan_on, probe, baselines_of,
                             options.get("min_gain", Options.min_gain), unfit)
+
+
+def data_parallel_or_none(graph, cluster, num_state_leaves, data_inputs) -> Plan | None:
+    try:
+        return data_parallel_plan(graph, cluster, num_state_leaves=num_state_leaves,
+                                  data_inputs=data_inputs)
+    except NoDataParallelism:
+        return None
+
+
+def fitting_data_parallel(graph, cluster, num_state_leaves, data_inputs) -> float:
+    """Data parallelism's best fitting time on `cluster` (infinity when none fits)."""
+    dp = data_parallel_or_none(graph, cluster, num_state_leaves, data_inputs)
+    cap = min(k.memory for k in cluster.classes)
+    return min((dp.baselines[k] for k in ("DP-EV", "DP-CP") if dp and k in dp.baselines
+                and dp.baseline_memory[k] <= cap), default=float("inf"))
 
 
 def plan_program(prog, cluster, *, num_state_leaves: int, remat="auto",
@@ -201,9 +209,20 @@ def plan_program(prog, cluster, *, num_state_leaves: int, remat="auto",
         raise unfit
     for again, t in tries:
         try:
-            return replace(plan_of(again), remat=describe(prog, again, t)), again
+            plan = replace(plan_of(again), remat=describe(prog, again, t))
         except InfeasibleMemory as err:
             unfit = err
+            continue
+        if t is not None and plan.devices is not None and full is not None:
+            # the light rewrite left devices idle: would all of it let every device work?
+            graph = lift_program(full)
+            every = fitting_data_parallel(graph, cluster, num_state_leaves,
+                                          graph.inputs[num_state_leaves:])
+            if every < plan.predicted_step_time * (1 - kw.get("min_gain", Options.min_gain)):
+                other = replace(plan_of(full), remat=describe(prog, full, None))
+                if other.predicted_step_time < plan.predicted_step_time:
+                    return other, full  # (data parallelism fits there: so does this plan)
+        return plan, again
     raise InfeasibleMemory(f"{unfit} (with activations recomputed in the backward pass)")
 
 
