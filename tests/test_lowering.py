@@ -57,8 +57,8 @@ def run_three_steps(model, cluster):
     return par.plan(params, opt, batch)
 
 
-@pytest.mark.parametrize("model", ["mlp", "vgg", "vit", "bert", "gpt",
-                                   pytest.param("moe", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("model", ["mlp", "vgg", *(pytest.param(m, marks=pytest.mark.slow)
+                                                  for m in ("vit", "bert", "gpt", "moe"))])
 def test_zoo_on_two_classes(model):
     run_three_steps(model, CLUSTERS["2+6"]())
 
