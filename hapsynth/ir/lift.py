@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections import Counter
 
 from hapsynth.ir.coarsen import coarsen
+from hapsynth.ir.fusion import fused_costs
 from hapsynth.ir.graph import Cost, Graph, Node, Op, Tensor
 from hapsynth.ir.rules import cost_for, partial_of, rule_for
 from hapsynth.ir.signature import leaf_paths
@@ -26,8 +27,9 @@ def lift_program(prog: Program) -> Graph:
     node_of, kinds = coarsen([(e.name, ins, e.outputs) for e, ins in zip(prog.eqns, op_inputs)],
                              producer, inputs, lambda t: prog.avals[t].shape)
     length = {lp.id: lp.length for lp in prog.loops}
+    costs = fused_costs(prog, [cost_for(e) for e in prog.eqns])
     ops = tuple(Op(i, e.name, op_inputs[i], e.outputs, rule_for(e),
-                   _times(cost_for(e), length.get(e.loop, 1)), node_of[i], e.loop,
+                   _times(costs[i], length.get(e.loop, 1)), node_of[i], e.loop,
                    length.get(e.loop, 1), partial_of(e))
                 for i, e in enumerate(prog.eqns))
     members: dict[int, list[int]] = {}

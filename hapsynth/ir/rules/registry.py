@@ -100,9 +100,13 @@ def cost_for(eqn) -> Cost:
     cost = entry.cost(eqn)  # (flops, transcendentals), or with the bytes it really moves
     if len(cost) == 3:
         return Cost(*map(float, cost))
+    return Cost(float(cost[0]), float(cost[1]), plain_bytes(eqn))
+
+
+def plain_bytes(eqn) -> float:
+    """Bytes of the eqn's non-literal operands and its results."""
     nbytes = sum(_nbytes(a) for a, x in zip(eqn.in_avals, eqn.inputs) if isinstance(x, int))
-    nbytes += sum(_nbytes(a) for a in eqn.out_avals)
-    return Cost(float(cost[0]), float(cost[1]), float(nbytes))
+    return float(nbytes + sum(_nbytes(a) for a in eqn.out_avals))
 
 
 def _nbytes(aval) -> int:
