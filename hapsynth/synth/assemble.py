@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from hapsynth.ir.layout import R
 from hapsynth.ir.signature import of_graph
 from hapsynth.synth.plan import Conversion, NodePlan, Plan
+from hapsynth.synth.pricing import paid_groups
 from hapsynth.synth.search import Priced
 from hapsynth.synth.timeline import timeline
 from hapsynth.synth.timing import evaluate
@@ -42,11 +43,17 @@ def assemble(problem, choice: Choice, base: dict[str, Choice], solver: dict) -> 
             op_inputs[op_id] = ch.inputs
     busy = _busy(choice)
     convs = []
-    for e in tables.edges:
+    latency = {}  # a combined group's one latency, shown on its first all-reduce paid
+    for _, g in paid_groups(tables, assign):
+        latency[next(k for k in tables.combined[g]
+                     if tables.edges[k].layouts[assign[tables.edges[k].src]] in tables.edges[k].pooled
+                     and tables.edges[k].needed(assign))] = tables.group_latency
+    for k, e in enumerate(tables.edges):
         lay = e.layouts[assign[e.src]]
         if not e.seconds(lay) or not e.needed(assign):
             continue
         coll, form, sec = e.conversions[lay]
+        sec += latency.get(k, 0.0)
         convs.append(Conversion(e.tensor, lay, e.need, coll, form, sec, e.deferred,
                                 int(graph.tensors[e.tensor].nbytes), e.src, e.repeat))
     names = {c.name: c for c in cluster.classes}

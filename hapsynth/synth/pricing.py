@@ -9,7 +9,7 @@ after the last contraction): conversions read only on the way to the tail are
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from types import MappingProxyType
 from typing import Mapping
@@ -121,6 +121,8 @@ class Edge:
     deferred: bool
     position: int                   # producer op (deferred) or first consumer op (inline)
     repeat: int = 1                 # times it is paid (a loop's iterations); in `conversions`
+    pooled: frozenset = frozenset()  # layouts whose all-reduce is combined with others':
+    #                                  priced by bandwidth, the group's latency apart
 
     def seconds(self, layout: Layout) -> float:
         return self.conversions.get(layout, (None, None, 0.0))[2]
@@ -140,6 +142,7 @@ class Tables:
     main_at: tuple[tuple[Mapping[int, float], ...], ...]  # main compute by op position
     edges: tuple[Edge, ...]
     group_latency: float                     # paid once by the deferred collectives
+    combined: tuple[tuple[int, ...], ...] = ()  # inline all-reduces issued as one (edge indices)
 
     @property
     def strategies(self) -> tuple[tuple[Strategy, ...], ...]:
@@ -209,8 +212,83 @@ def price(st: Structure, cluster: Cluster, class_shares, only: list[int] | None 
                                     graph.tensors[t].producer)
         edges.append(Edge(src, t, need.layout, layouts, need.consumers,
                           MappingProxyType(convs), deferred, pos, need.repeat))
+    edges, combined = _combine(edges, graph, pr)
     group_latency = collectives.all_reduce_latency(cluster)
-    return Tables(st, pr, tuple(main), tuple(tail), tuple(main_at), tuple(edges), group_latency)
+    return Tables(st, pr, tuple(main), tuple(tail), tuple(main_at), tuple(edges), group_latency,
+                  combined)
+
+
+#: XLA's GPU all-reduce combiner merges up to this many bytes into one all-reduce.
+COMBINE_BYTES = 30 * 2 ** 20
+#: Ops past a group's first read searched for all-reduces that may join it.
+COMBINE_WINDOW = 256
+
+
+def _combine(edges: list[Edge], graph: Graph, pr: Pricer) -> tuple[list[Edge], tuple]:
+    """Group the inline all-reduces that XLA's all-reduce combiner issues as one: from
+    the first one read, the others whose values do not depend on a group member's result
+    (made before it is read, or in the next `COMBINE_WINDOW` ops from other values).
+    A group pays one latency (`Tables.combined`); its members' all-reduces are priced
+    by bandwidth alone. With one compute stream the reordering this needs costs nothing."""
+    cands = sorted((e.position, k) for k, e in enumerate(edges)
+                   if not e.deferred and e.repeat == 1
+                   and any(c[0] == collectives.ALL_REDUCE for c in e.conversions.values()))
+    made_by: dict[int, list[int]] = {}
+    for _, k in cands:
+        made_by.setdefault(graph.tensors[edges[k].tensor].producer, []).append(k)
+    taken: set[int] = set()
+    groups: list[list[int]] = []
+    for first, k0 in cands:
+        if k0 in taken:
+            continue
+        group, size = [k0], graph.tensors[edges[k0].tensor].nbytes
+        taken.add(k0)
+
+        def join(k) -> bool:
+            nonlocal size
+            nbytes = graph.tensors[edges[k].tensor].nbytes
+            if k in taken or size + nbytes > COMBINE_BYTES:
+                return False
+            group.append(k)
+            taken.add(k)
+            size += nbytes
+            return True
+
+        for _, k in cands:
+            if graph.tensors[edges[k].tensor].producer < first:
+                join(k)
+        tainted = {edges[k].tensor for k in group}
+        for op in graph.ops[first:first + COMBINE_WINDOW]:
+            if any(t in tainted for t in op.inputs):
+                tainted.update(op.outputs)
+                continue
+            for k in made_by.get(op.id, ()):
+                if join(k):
+                    tainted.add(edges[k].tensor)
+        if len(group) > 1:
+            groups.append(sorted(group, key=lambda k: edges[k].position))
+    out = list(edges)
+    for g in groups:
+        for k in g:
+            e = edges[k]
+            nbytes = graph.tensors[e.tensor].nbytes
+            pooled = frozenset(lay for lay, c in e.conversions.items()
+                               if c[0] == collectives.ALL_REDUCE)
+            convs = {lay: pr.conversion(lay, e.need, nbytes, True) if lay in pooled else c
+                     for lay, c in e.conversions.items()}
+            out[k] = replace(e, conversions=MappingProxyType(convs), pooled=pooled)
+    return out, tuple(tuple(g) for g in groups)
+
+
+def paid_groups(tables: Tables, assign) -> list[tuple[int, int]]:
+    """(position, group) of each combined group whose latency `assign` pays (some member
+    needed, its producer's layout all-reduced), at its first member's position."""
+    out = []
+    for g, members in enumerate(tables.combined):
+        edges = [tables.edges[k] for k in members]
+        if any(e.layouts[assign[e.src]] in e.pooled and e.needed(assign) for e in edges):
+            out.append((edges[0].position, g))
+    return out
 
 
 def _times(conversion: tuple, n: int) -> tuple:

@@ -6,6 +6,7 @@ Mirrors `timing.evaluate` exactly (times in integer nanoseconds):
   consumer strategy needs it (w >= [layout] + [needed] - 1);
 - deferred conversions form one FIFO communication stream that overlaps the main
   part: F >= prefix_main(p_k) + sum of deferred costs issued at or after p_k;
+- a group of combined inline all-reduces pays one latency: y_g >= each member's w;
 - step T >= main + inline + tail and T >= F + tail.
 """
 from __future__ import annotations
@@ -106,7 +107,8 @@ def solve(tables: Tables, hint: list[int], *, time_limit: float = 10.0, workers:
                 if _ns(t):
                     seg_terms[k].append((_ns(t), v))
 
-    inline_terms, deferred_at = [], {}
+    inline_terms, deferred_at, group_paid = [], {}, {}
+    group_of = {k: g for g, members in enumerate(tables.combined) for k in members}
     for ei, e in enumerate(tables.edges):
         if -1 in e.consumers or any(len(ss) == len(x[n]) for n, ss in e.consumers.items()):
             needed = 1  # some consumer needs this layout whatever it chooses
@@ -131,6 +133,8 @@ def solve(tables: Tables, hint: list[int], *, time_limit: float = 10.0, workers:
                 w = M.bool(f"w{ei}", hv)
                 m.add(w >= sum(vs) + needed - 1)
                 terms = [(c, w)]
+            if lay in e.pooled:
+                group_paid.setdefault(group_of[ei], []).extend(v for _, v in terms)
             if e.deferred:
                 deferred_at.setdefault(seg_of(e.position), []).extend(terms)
             else:
@@ -138,9 +142,20 @@ def solve(tables: Tables, hint: list[int], *, time_limit: float = 10.0, workers:
                 k = seg_of(e.position)
                 if k is not None:
                     seg_terms[k] += terms
+    lat = _ns(tables.group_latency)
+    for g, paid in group_paid.items():  # a combined group pays one latency if any member does
+        y = M.bool(f"group{g}", max(M.value([(1, v)]) for v in paid))
+        for v in paid:
+            m.add(y >= v)
+        terms = [(lat, y)]
+        inline_terms += terms
+        k = seg_of(tables.edges[tables.combined[g][0]].position)
+        if k is not None:
+            seg_terms[k] += terms
 
     horizon = _ns(sum(max(r) for r in tables.main) + sum(max(r) for r in tables.tail)
-                  + sum(max(c[2] for c in e.conversions.values()) for e in tables.edges) + tables.group_latency) + 1
+                  + sum(max(c[2] for c in e.conversions.values()) for e in tables.edges)
+                  + tables.group_latency * (1 + len(tables.combined))) + 1
     T = m.new_int_var(0, horizon, "T")
     tail_terms = [(c, v) for c, v in tail_terms]
     bound_main = main_terms + inline_terms + tail_terms
@@ -154,8 +169,13 @@ def solve(tables: Tables, hint: list[int], *, time_limit: float = 10.0, workers:
             suffix[k] = M.define(f"suffix{k}", deferred_at.get(k, []) + nxt, horizon)
             nxt = [(1, suffix[k])]
         F = m.new_int_var(0, horizon, "F")
-        f_hint = _ns(tables.group_latency) + M.hint[suffix[0]]
-        m.add(F >= _ns(tables.group_latency) + suffix[0])
+        # the group latency, paid once if any deferred conversion is
+        paid = [v for terms in deferred_at.values() for _, v in terms]
+        z = M.bool("deferred_paid", max([M.value([(1, v)]) for v in paid], default=0))
+        for v in paid:
+            m.add(z >= v)
+        f_hint = _ns(tables.group_latency) * M.hint[z] + M.hint[suffix[0]]
+        m.add(F >= _ns(tables.group_latency) * z + suffix[0])
         prev = []
         for k in range(n_seg):               # P_k = main time up to p_k
             pk = M.define(f"prefix{k}", seg_terms[k] + prev, horizon)

@@ -4,13 +4,15 @@ Under the time model of `timing.py` every class runs the same ops in program ord
 each op lasting as long as its slowest class takes, so a faster class is idle for the
 rest. Consecutive ops are merged into one segment until a collective interrupts: per
 class, a `compute` span (its busy time) then an `idle` span (waiting for the slowest).
-Inline collectives occupy every class; the gradient sync runs on its own `sync` lane,
+Inline collectives occupy every class (a group XLA combines pays one latency first); the gradient sync runs on its own `sync` lane,
 overlapping the main part; `wait` is the sync not hidden; then the tail (optimizer).
 """
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+
+from hapsynth.synth.pricing import paid_groups
 
 SYNC = "sync"  # the lane of deferred (overlapped) collectives
 
@@ -48,8 +50,10 @@ def timeline(tables, assign, names) -> tuple[Span, ...]:
         if not sec or not e.needed(assign):
             continue
         (deferred if e.deferred else inline.setdefault(e.position, [])).append(e)
+    for p, g in paid_groups(tables, assign):  # first, the one latency of a combined group
+        inline.setdefault(p, []).insert(0, g)
     out: list[Span] = []
-    lanes = _Lanes(names, out)
+    lanes = _Lanes(names, out, tables.group_latency)
     ends: dict[int, float] = {}
     for p in range(st.tail_start):
         for e in inline.pop(p, ()):
@@ -78,8 +82,9 @@ def timeline(tables, assign, names) -> tuple[Span, ...]:
 class _Lanes:
     """Builds the class lanes: compute merged per segment, cut by collectives."""
 
-    def __init__(self, names, out):
+    def __init__(self, names, out, group_latency=0.0):
         self.names, self.out = tuple(names), out
+        self.group_latency = group_latency
         self.now = 0.0
         self.pending = 0.0                 # the open segment's length so far
         self.busy = [0.0] * len(self.names)
@@ -101,9 +106,13 @@ class _Lanes:
         self.busy = [0.0] * len(self.names)
 
     def collective(self, e, assign) -> None:
+        """Edge `e`'s conversion, or (an int) the latency of combined group `e`."""
         self.flush()
-        coll, form, sec = e.conversions[e.layouts[assign[e.src]]]
-        label = f"{coll} {form or ''} t{e.tensor}".replace("  ", " ")
+        if isinstance(e, int):
+            sec, label = self.group_latency, f"all-reduce latency (combined group {e})"
+        else:
+            coll, form, sec = e.conversions[e.layouts[assign[e.src]]]
+            label = f"{coll} {form or ''} t{e.tensor}".replace("  ", " ")
         for name in self.names:
             self.out.append(Span(name, self.now, self.now + sec, "collective", label))
         self.now += sec

@@ -3,6 +3,7 @@
 Time model (one compute stream, one communication stream per device):
 - the *main* part runs ops in program order; each op takes the time of its slowest
   device class; a conversion an op needs is paid inline, before it;
+- inline all-reduces that XLA combines into one (`pricing._combine`) pay one latency;
 - conversions feeding the *tail* (the optimizer, after the last contraction) are issued
   when their producer finishes and overlap the remaining main compute, one at a time in
   issue order (XLA's latency-hiding scheduler can do no better with one collective
@@ -64,6 +65,16 @@ class EvalArrays:
                   [int(self.position.max()) if E else 0])
         self.n_pos = top + 1
         self.group_latency = tables.group_latency
+        # combined inline all-reduces: per edge its group (-1: none) and which producer
+        # layouts it pools; per group the position its one latency is paid at
+        self.group_of = np.full(E, -1, int)
+        self.pooled = np.zeros((E, S), bool)
+        self.group_pos = np.array([edges[g[0]].position for g in tables.combined], int)
+        for gi, members in enumerate(tables.combined):
+            for k in members:
+                self.group_of[k] = gi
+                self.pooled[k, :len(edges[k].layouts)] = [lay in edges[k].pooled
+                                                          for lay in edges[k].layouts]
 
 
 def evaluate(tables, assign) -> StepTime:
@@ -85,6 +96,11 @@ def evaluate(tables, assign) -> StepTime:
     c = ar.cost[np.arange(len(ar.src)), a[ar.src]] * needed if len(ar.src) else np.zeros(0)
     inline_mask = ~ar.deferred & (c > 0)
     inline = float(c[inline_mask].sum())
+    groups = np.zeros(0, int)
+    if len(ar.group_pos):
+        pays = needed & ar.pooled[np.arange(len(ar.src)), a[ar.src]] & (ar.group_of >= 0)
+        groups = np.unique(ar.group_of[pays])
+        inline += ar.group_latency * len(groups)
     main_end = main + inline
     ev = ar.deferred & (c > 0)
     comm_free, deferred_total = 0.0, 0.0
@@ -94,6 +110,7 @@ def evaluate(tables, assign) -> StepTime:
         val = [ar.at[n][s][1] for n, s in enumerate(assign)]
         np.add.at(by_pos, np.concatenate(pos), np.concatenate(val))
         np.add.at(by_pos, ar.position[inline_mask], c[inline_mask])
+        np.add.at(by_pos, ar.group_pos[groups], ar.group_latency)
         cum = np.cumsum(by_pos)
         ev_pos = np.concatenate([[-1], ar.position[ev]])
         ev_c = np.concatenate([[ar.group_latency], c[ev]])
