@@ -67,10 +67,12 @@ def _tiny_step():
 
 
 def _fast_and_far() -> hs.Cluster:
-    """2 fast devices on one host beside 6 slow ones behind a slow, high-latency link."""
+    """2 fast devices on one host beside 6 slow ones (4x slower in FLOP/s and memory
+    bandwidth: a step this small is memory-bound) behind a slow, high-latency link."""
     return hs.Cluster.simulated(
         [("CPU", 2, {"name": "fast", "flops": "400GFLOP/s", "host": 0}),
-         ("CPU", 6, {"name": "slow", "flops": "100GFLOP/s", "host_ids": [1, 1, 1, 2, 2, 2]})],
+         ("CPU", 6, {"name": "slow", "flops": "100GFLOP/s", "mem_bandwidth": "2.5GB/s",
+                     "host_ids": [1, 1, 1, 2, 2, 2]})],
         links={"intra_host": {"bandwidth": "10GB/s", "latency": "5us"},
                "inter_host": {"bandwidth": "1Gbps", "latency": "200us"}}, name="fast-and-far")
 
