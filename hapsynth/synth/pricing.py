@@ -9,6 +9,7 @@ after the last contraction): conversions read only on the way to the tail are
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, replace
 from functools import cached_property
 from types import MappingProxyType
@@ -236,8 +237,11 @@ def _combine(edges: list[Edge], graph: Graph, pr: Pricer) -> tuple[list[Edge], t
     made_by: dict[int, list[int]] = {}
     for _, k in cands:
         made_by.setdefault(graph.tensors[edges[k].tensor].producer, []).append(k)
+    by_made = sorted(made_by.items())  # (producer op, candidates), in program order
+    made_ops = [op for op, _ in by_made]
     taken: set[int] = set()
     groups: list[list[int]] = []
+    lo = 0  # by_made[:lo] are all taken
     for first, k0 in cands:
         if k0 in taken:
             continue
@@ -254,11 +258,20 @@ def _combine(edges: list[Edge], graph: Graph, pr: Pricer) -> tuple[list[Edge], t
             size += nbytes
             return True
 
-        for _, k in cands:
-            if graph.tensors[edges[k].tensor].producer < first:
+        while lo < len(by_made) and all(k in taken for k in by_made[lo][1]):
+            lo += 1
+        for op, ks in by_made[lo:]:
+            if op >= first:
+                break
+            for k in ks:
                 join(k)
+        ahead = bisect.bisect_left(made_ops, first)
+        if ahead == len(made_ops) or made_ops[ahead] >= first + COMBINE_WINDOW:
+            end = first  # no all-reduce is made in the window: nothing to walk
+        else:
+            end = first + COMBINE_WINDOW
         tainted = {edges[k].tensor for k in group}
-        for op in graph.ops[first:first + COMBINE_WINDOW]:
+        for op in graph.ops[first:end]:
             if any(t in tainted for t in op.inputs):
                 tainted.update(op.outputs)
                 continue
