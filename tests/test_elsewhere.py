@@ -136,19 +136,26 @@ def _n_state_args(step, args) -> int:
     return state_arity(step, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args))
 
 
-def _noise_floor(step, args, k) -> float:
-    """For a model with batch statistics: the largest relative change of any output leaf
-    when the batch is permuted on one device (nothing changes mathematically; the sums
-    are taken in another order)."""
+def _noise_floor(step, args, k) -> list[float]:
+    """For a model with batch statistics, per chained step: the largest relative change of
+    any output leaf when the batch is permuted on one device (nothing changes
+    mathematically; the sums are taken in another order). Measured over the steps, as
+    the tiny ResNet's warm-up starts at learning rate 0 and its later steps amplify the
+    difference (1e-5 after two steps, 1e-3 after three)."""
     batch = args[k:]
     n = jax.tree.leaves(batch)[0].shape[0]
     perm = np.random.default_rng(0).permutation(n)
     shuffled = jax.tree.map(lambda x: x[perm], batch)
-    a, b = jax.jit(step)(*args), jax.jit(step)(*args[:k], *shuffled)
-    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))
-                     / max(float(np.max(np.abs(np.asarray(y)))), 1.0))
-               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
-               if np.asarray(y).dtype.kind == "f")
+    f = jax.jit(step)
+    a = b = args
+    out = []
+    for _ in range(N_STEPS):
+        a, b = f(*a[:k], *batch), f(*b[:k], *shuffled)
+        out.append(max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))
+                             / max(float(np.max(np.abs(np.asarray(y)))), 1.0))
+                       for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+                       if np.asarray(y).dtype.kind == "f"))
+    return out
 
 
 TOLERANCE = {"bf16_mixed": 2e-2}  # bf16 compute: epsilon 2**-8 per op, steps compound
@@ -163,15 +170,15 @@ def test_three_distributed_steps_equal_one_device(name, cluster):
     plan = par.plan(*args)
     assert plan.unsupported == {}
     k = _n_state_args(step, args)
-    rtol = TOLERANCE.get(name, 2e-3)
+    rtol = [TOLERANCE.get(name, 2e-3)] * N_STEPS
     if name == "haiku_resnet":  # BatchNorm: the tolerance from the noise floor measured
-        rtol = max(rtol, 4 * _noise_floor(step, args, k))
+        rtol = [max(r, 4 * f) for r, f in zip(rtol, _noise_floor(step, args, k))]
     ref = jax.jit(step)
     got = want = args
-    for _ in range(N_STEPS):
+    for i in range(N_STEPS):
         want = ref(*want[:k], *args[k:])
         got = par(*got[:k], *args[k:])
-        compare(hs.gather(got), want, rtol=rtol)
+        compare(hs.gather(got), want, rtol=rtol[i])
 
 
 TRANSFORMERS = ("scan_gpt", "unrolled_gpt", "nnx_gpt", "linen_transformer", "grad_accum")

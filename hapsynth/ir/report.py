@@ -20,7 +20,8 @@ def inspect(fn, *args) -> Report:
 
     Returns a `Report` (a dict): `eqns` (after inlining and dead-code removal), `traced_eqns`
     (top-level eqns of the jaxpr), `nodes` (after coarsening), `flops` and
-    `transcendentals` (XLA's `cost_analysis()` convention), `bytes`,
+    `transcendentals` (XLA's `cost_analysis()` convention), `bytes` (moved once XLA has
+    fused elementwise chains: `fusion.py`; its "bytes accessed"),
     `primitives` ({name: count}), `unsupported` ({name: count} of primitives with no
     rule: planned replicated), `replicated` ({name: reason} of primitives kept
     whole by design), `node_kinds` ({kind: count}) and `seconds` (trace + lift).
