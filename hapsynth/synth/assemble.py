@@ -43,11 +43,8 @@ def assemble(problem, choice: Choice, base: dict[str, Choice], solver: dict) -> 
             op_inputs[op_id] = ch.inputs
     busy = _busy(choice)
     convs = []
-    latency = {}  # a combined group's one latency, shown on its first all-reduce paid
-    for _, g in paid_groups(tables, assign):
-        latency[next(k for k in tables.combined[g]
-                     if tables.edges[k].layouts[assign[tables.edges[k].src]] in tables.edges[k].pooled
-                     and tables.edges[k].needed(assign))] = tables.group_latency
+    # a combined group's one latency, shown on its first all-reduce paid
+    latency = {k: tables.group_latency for _, _, k in paid_groups(tables, assign)}
     for k, e in enumerate(tables.edges):
         lay = e.layouts[assign[e.src]]
         if not e.seconds(lay) or not e.needed(assign):

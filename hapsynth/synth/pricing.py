@@ -293,14 +293,17 @@ def _combine(edges: list[Edge], graph: Graph, pr: Pricer) -> tuple[list[Edge], t
     return out, tuple(tuple(g) for g in groups)
 
 
-def paid_groups(tables: Tables, assign) -> list[tuple[int, int]]:
-    """(position, group) of each combined group whose latency `assign` pays (some member
-    needed, its producer's layout all-reduced), at its first member's position."""
+def paid_groups(tables: Tables, assign) -> list[tuple[int, int, int]]:
+    """(position, group, first member paying) of each combined group whose latency
+    `assign` pays (some member needed, its producer's layout all-reduced), at the
+    group's first member's position."""
     out = []
     for g, members in enumerate(tables.combined):
-        edges = [tables.edges[k] for k in members]
-        if any(e.layouts[assign[e.src]] in e.pooled and e.needed(assign) for e in edges):
-            out.append((edges[0].position, g))
+        paying = [k for k in members
+                  if tables.edges[k].layouts[assign[tables.edges[k].src]] in tables.edges[k].pooled
+                  and tables.edges[k].needed(assign)]
+        if paying:
+            out.append((tables.edges[members[0]].position, g, paying[0]))
     return out
 
 

@@ -50,7 +50,7 @@ def timeline(tables, assign, names) -> tuple[Span, ...]:
         if not sec or not e.needed(assign):
             continue
         (deferred if e.deferred else inline.setdefault(e.position, [])).append(e)
-    for p, g in paid_groups(tables, assign):  # first, the one latency of a combined group
+    for p, g, _ in paid_groups(tables, assign):  # first, the one latency of a combined group
         inline.setdefault(p, []).insert(0, g)
     out: list[Span] = []
     lanes = _Lanes(names, out, tables.group_latency)
