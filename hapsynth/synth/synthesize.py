@@ -162,9 +162,10 @@ def improve(problem: Problem, best: Choice, options: Options, clock: Clock):
     clock.lap("starts+search")
     stats, rounds, solve_wall = None, 0, 0.0
     for rounds in range(1, options.max_rounds + 1):
-        if rounds > 1 and clock.wall > 0.5 * options.time_limit:
+        if rounds > 1 and stats.status != "OPTIMAL":
             rounds -= 1
-            break  # the wall-clock budget is what users asked for
+            break  # CP-SAT used its whole budget: another round would too (not the wall
+            #        clock: the plan must depend on the seed alone)
         pr = best.priced
         progress.phase("CP-SAT")
         a, stats = solve(pr.tables, list(best.assign), time_limit=0.3 * options.time_limit / rounds,
