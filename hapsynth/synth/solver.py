@@ -52,6 +52,13 @@ class _Model:
     def value(self, terms) -> int:
         return sum(c * (self.hint[v] if not isinstance(v, int) else v) for c, v in terms)
 
+    def any_of(self, name, literals):
+        """A bool at least each of `literals` (minimised, it is their or)."""
+        y = self.bool(name, max([self.value([(1, v)]) for v in literals], default=0))
+        for v in literals:
+            self.m.add(y >= v)
+        return y
+
     def define(self, name, terms, horizon):
         """An int var equal to sum(c * v for c, v in terms)."""
         v = self.m.new_int_var(0, horizon, name)
@@ -144,10 +151,7 @@ def solve(tables: Tables, hint: list[int], *, time_limit: float = 10.0, workers:
                     seg_terms[k] += terms
     lat = _ns(tables.group_latency)
     for g, paid in group_paid.items():  # a combined group pays one latency if any member does
-        y = M.bool(f"group{g}", max(M.value([(1, v)]) for v in paid))
-        for v in paid:
-            m.add(y >= v)
-        terms = [(lat, y)]
+        terms = [(lat, M.any_of(f"group{g}", paid))]
         inline_terms += terms
         k = seg_of(tables.edges[tables.combined[g][0]].position)
         if k is not None:
@@ -170,10 +174,7 @@ def solve(tables: Tables, hint: list[int], *, time_limit: float = 10.0, workers:
             nxt = [(1, suffix[k])]
         F = m.new_int_var(0, horizon, "F")
         # the group latency, paid once if any deferred conversion is
-        paid = [v for terms in deferred_at.values() for _, v in terms]
-        z = M.bool("deferred_paid", max([M.value([(1, v)]) for v in paid], default=0))
-        for v in paid:
-            m.add(z >= v)
+        z = M.any_of("deferred_paid", [v for terms in deferred_at.values() for _, v in terms])
         f_hint = _ns(tables.group_latency) * M.hint[z] + M.hint[suffix[0]]
         m.add(F >= _ns(tables.group_latency) * z + suffix[0])
         prev = []
