@@ -7,7 +7,7 @@ IR) -> `synth/` (price strategies on a `cluster/` description, search, CP-SAT: a
 """
 from hapsynth.api import Parallelized, inspect, parallelize
 from hapsynth.cluster import Cluster, ClusterError, DeviceClass, LinkLevel
-from hapsynth.lower.values import Sharded, Staged, gather
+from hapsynth.lower.values import Sharded, Staged, StagedRows, gather
 from hapsynth.synth.plan import Plan, PlanMismatch
 from hapsynth.synth.synthesize import InfeasibleMemory, NoDataParallelism
 
@@ -19,6 +19,6 @@ def plot_plans(plans, labels=None, ax=None):
 
 
 __all__ = ["Cluster", "ClusterError", "DeviceClass", "InfeasibleMemory", "LinkLevel",
-           "NoDataParallelism", "Parallelized", "Plan", "PlanMismatch", "Sharded", "Staged", "gather",
+           "NoDataParallelism", "Parallelized", "Plan", "PlanMismatch", "Sharded", "Staged", "StagedRows", "gather",
            "inspect", "parallelize", "plot_plans"]
 __version__ = "0.1.0"

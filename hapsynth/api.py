@@ -10,6 +10,7 @@ from hapsynth import progress
 from hapsynth.cluster import Cluster
 from hapsynth.ir import inspect as _inspect
 from hapsynth.ir import lift_program, trace
+from hapsynth.ir.unroll import state_inputs, unroll, unrollable
 from hapsynth.ir.remat import cannot_fit, describe, rematerialize, room
 from hapsynth.ir.signature import of_graph
 from hapsynth.ir.views import fold_batch_splits
@@ -109,13 +110,19 @@ def from_process_zero(text: str | None) -> str:
     return bytes(np.asarray(mh.broadcast_one_to_all(buf))).decode()
 
 
+def considers_pipeline(cluster, pipeline, strategy: str = "auto") -> bool:
+    return pipeline is True or pipeline == "auto" and strategy == "auto" and cluster.num_islands > 1
+
+
 def make_plan(graph, cluster, *, num_state_leaves: int, data_inputs, strategy: str = "auto",
-              shares=None, pipeline=False, **options) -> Plan:
+              shares=None, pipeline=False, straight=None, **options) -> Plan:
     """A synthesized plan (`strategy="auto"`, `options` as in `synthesize.Options`), or data
     parallelism (`"data-parallel"`, at FLOP/s-proportional `shares` unless given); with
-    `pipeline` ("auto" or True) a pipeline across islands is considered too."""
+    `pipeline` ("auto" or True) a pipeline across islands is considered too, cut in
+    `straight` when given: (graph, state leaves) of the step with its loops written out
+    (`ir/unroll.py`)."""
     check_pipeline(pipeline)
-    if pipeline is True or pipeline == "auto" and strategy == "auto" and cluster.num_islands > 1:
+    if considers_pipeline(cluster, pipeline, strategy):
         try:
             spmd, unfit = make_plan(graph, cluster, num_state_leaves=num_state_leaves,
                                     data_inputs=data_inputs, strategy=strategy, shares=shares,
@@ -123,7 +130,7 @@ def make_plan(graph, cluster, *, num_state_leaves: int, data_inputs, strategy: s
         except InfeasibleMemory as err:
             spmd, unfit = None, err
         return with_pipeline(graph, cluster, spmd, num_state_leaves=num_state_leaves,
-                             data_inputs=data_inputs, pipeline=pipeline,
+                             data_inputs=data_inputs, pipeline=pipeline, straight=straight,
                              min_gain=options.get("min_gain", Options.min_gain), unfit=unfit)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
@@ -183,16 +190,23 @@ def plan_program(prog, cluster, *, num_state_leaves: int, remat="auto",
 
     def plan_of(p) -> Plan:
         graph = lift_program(p)
+        straight = None
+        if unrollable(p) and considers_pipeline(cluster, kw.get("pipeline", False),
+                                                kw.get("strategy", "auto")):
+            u = unroll(p, num_state_leaves)
+            straight = lift_program(u), state_inputs(u, num_state_leaves)
         return make_plan(graph, cluster, num_state_leaves=num_state_leaves,
-                         data_inputs=graph.inputs[num_state_leaves:], **kw)
+                         data_inputs=graph.inputs[num_state_leaves:], straight=straight, **kw)
 
     if remat is False:
-        return plan_of(prog), prog
+        plan = plan_of(prog)
+        return plan, program_of(plan, prog)
     memories = [cluster.device_class(i).memory for i in range(cluster.num_devices)]
     hopeless = cannot_fit(prog, memories)  # no plan holds it as written: skip that try
     if not hopeless:
         try:
-            return plan_of(prog), prog
+            plan = plan_of(prog)
+            return plan, program_of(plan, prog)
         except InfeasibleMemory as err:
             unfit = err
     # as little recomputation as the memory may need (data parallelism holds the state
@@ -221,8 +235,8 @@ def plan_program(prog, cluster, *, num_state_leaves: int, remat="auto",
             if every < plan.predicted_step_time * (1 - kw.get("min_gain", Options.min_gain)):
                 other = replace(plan_of(full), remat=describe(prog, full, None))
                 if other.predicted_step_time < plan.predicted_step_time:
-                    return other, full  # (data parallelism fits there: so does this plan)
-        return plan, again
+                    return other, program_of(other, prog)  # (data parallelism fits there: so does this plan)
+        return plan, program_of(plan, prog)
     raise InfeasibleMemory(f"{unfit} (with activations recomputed in the backward pass)")
 
 
@@ -239,7 +253,10 @@ def synthesize_once(prog, cluster, **kw) -> tuple[Plan, object]:
 
 def program_of(plan: Plan, prog):
     """The program `plan` runs: `prog`, rewritten the way it was when planned."""
-    return rematerialize(prog, plan.remat["target"]) if plan.remat else prog
+    if plan.remat:
+        prog = rematerialize(prog, plan.remat["target"])
+    unrolled = plan.pipeline.get("unrolled") if plan.pipeline else None
+    return prog if unrolled is None else unroll(prog, unrolled)
 
 
 def donated_leaves(args, donate_argnums) -> list[int]:

@@ -70,16 +70,22 @@ def test_stage_analysis_of_a_tied_gpt():
 
 
 @pytest.mark.slow  # traces two outside models (~14 s): run by .ci/run
-def test_steps_that_cannot_run_as_microbatches_say_why():
+def test_steps_that_cannot_run_as_microbatches_say_why(monkeypatch):
+    """Batch statistics; a loop too long to write out layer by layer (a scan over layers
+    shorter than `MAX_TRIPS` is written out and pipelined)."""
     from test_elsewhere import get as elsewhere
-    for name, why in (("haiku_resnet", "summed over the whole batch"),
-                      ("scan_gpt", "loop region")):
-        step, args = elsewhere(name)
-        with pytest.raises(NotPipelineable, match=why):
-            _regions(step, args, two_islands())
+
+    import hapsynth.ir.unroll as unroll
+    step, args = elsewhere("haiku_resnet")
+    with pytest.raises(NotPipelineable, match="summed over the whole batch"):
+        _regions(step, args, two_islands())
     plan = hs.parallelize(step, cluster=two_islands(), time_limit=1).plan(*args)
     assert plan.stages == [] and "not pipelineable" in plan.solver["pipeline"]
     assert plan.baselines["SPMD"] == plan.predicted_step_time
+    step, args = elsewhere("scan_gpt")
+    monkeypatch.setattr(unroll, "MAX_TRIPS", 1)
+    with pytest.raises(NotPipelineable, match="loop region"):
+        hs.parallelize(step, cluster=two_islands(), time_limit=1, pipeline=True).plan(*args)
 
 
 def test_schedule_table_keeps_every_dependency():
@@ -200,6 +206,28 @@ def test_pipelined_outside_models_equal_one_device(name):
     step, args = elsewhere(name)
     plan, _ = _three_steps(step, args, two_islands(), rtol=2e-2 if name == "bf16_mixed" else 2e-3)
     assert len(plan.stages) == 2
+
+
+@pytest.mark.slow  # ~30 s and ~15 s
+@pytest.mark.parametrize("layout", ["4x2", "2x4"])
+def test_pipelined_scan_over_layers_equals_one_device(layout):
+    """The scan-over-layers GPT, written out layer by layer: its stacked parameters and
+    Adam moments come back as `StagedRows`, each layer's rows on the stage holding that
+    layer; 4 stages take unequal parts of the layers (uneven rows inside one)."""
+    from test_elsewhere import get as elsewhere
+    step, args = elsewhere("scan_gpt")
+    cluster = four_islands() if layout == "4x2" else two_islands()
+    plan, got = _three_steps(step, args, cluster)
+    assert plan.pipeline["unrolled"] == len(jax.tree.leaves(args[:2]))
+    rows = [x for x in jax.tree.leaves(got[:2], is_leaf=lambda v: isinstance(v, hs.Staged))
+            if isinstance(x, hs.StagedRows)]
+    assert len(rows) == 3 * 12  # 12 layer-stacked parameters, each with two Adam moments
+    again = hs.Plan.from_json(plan.to_json())  # a saved plan re-makes the same program
+    assert hs.parallelize(step, cluster=cluster, plan=again).plan(*args) is again
+    if layout == "4x2":
+        layer_stages = {s for x in rows for s in x.stages}
+        assert len(layer_stages) >= 3  # the layers spread over stages, not held by one
+        assert any(len(set(st["rows"])) > 1 for st in plan.stages)
 
 
 def test_pipelined_state_round_trips_through_gather():

@@ -7,7 +7,7 @@ from hapsynth.ir.coarsen import coarsen
 from hapsynth.ir.fusion import fused_costs
 from hapsynth.ir.graph import Cost, Graph, Node, Op, Tensor
 from hapsynth.ir.rules import cost_for, partial_of, rule_for
-from hapsynth.ir.signature import leaf_paths
+from hapsynth.ir.signature import input_paths
 from hapsynth.ir.trace import Program, trace
 
 
@@ -40,7 +40,7 @@ def lift_program(prog: Program) -> Graph:
     return Graph(tensors=tensors, ops=ops, nodes=nodes, inputs=prog.inputs,
                  outputs=tuple(o if isinstance(o, int) else None for o in prog.outputs),
                  unsupported=dict(sorted(unsupported.items())),
-                 input_paths=tuple(leaf_paths(prog.in_tree)),
+                 input_paths=tuple(input_paths(prog)),
                  batch_dims={t: v[1] for t, v in zip(prog.inputs, prog.input_views) if v})
 
 

@@ -40,12 +40,21 @@ def leaf_paths(tree) -> list[str]:
     return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]]
 
 
+def input_paths(prog: Program) -> list[str]:
+    """The path of every program input; a leaf fed as rows has one per row."""
+    out = []
+    for k, p in enumerate(leaf_paths(prog.in_tree)):
+        n = prog.split[k] if k < len(prog.split) else 0
+        out += [f"{p}[row {i}]" for i in range(n)] if n else [p]
+    return out
+
+
 def of_program(prog: Program) -> Signature:
     types = [_type(a.shape, getattr(a.dtype, "name", str(a.dtype))) for a in prog.avals]
     ops = [(e.name, tuple(x if isinstance(x, int) else None for x in e.inputs), e.outputs)
            for e in prog.eqns]
     outs = [o if isinstance(o, int) else None for o in prog.outputs]
-    return _make(leaf_paths(prog.in_tree), types, ops, prog.inputs, outs)
+    return _make(input_paths(prog), types, ops, prog.inputs, outs)
 
 
 def of_graph(graph: Graph) -> Signature:

@@ -105,6 +105,9 @@ class Program:
     loops: tuple[Loop, ...] = ()
     # per input leaf: None, or (shape, batch dim) it is fed in (`views.fold_batch_splits`)
     input_views: tuple = ()
+    # per leading (state) input leaf: 0, or the rows it is fed as, one input each
+    # (a layer-stacked leaf of a program whose loops are written out, `unroll.py`)
+    split: tuple[int, ...] = ()
 
 
 def to_aval(jax_aval) -> Aval:

@@ -29,7 +29,7 @@ from hapsynth.ir.signature import of_program
 from hapsynth.ir.trace import Const, Program
 from hapsynth.lower import cpu
 from hapsynth.lower.packing import Packing, Ref, bundle, pad_to, trim
-from hapsynth.lower.values import Sharded, Staged, unshard
+from hapsynth.lower.values import Sharded, Staged, StagedRows, unshard
 from hapsynth.synth.plan import Plan
 from hapsynth.synth.stages import analyse, stage_of
 
@@ -60,6 +60,7 @@ class Pipelined:
         self.mesh = Mesh(np.array([[devices[d] for d in st["devices"]] for st in plan.stages]),
                          (STAGE, DATA))
         self.nstate = plan.state_leaves
+        self.leaves = self.nstate - sum(max(n - 1, 0) for n in prog.split)  # the step's own
         graph = lift_program(prog)
         self.r = analyse(graph, plan.tensor_layouts, plan.op_inputs, self.nstate)
         cuts = pipe["cuts"]
@@ -94,7 +95,7 @@ class Pipelined:
                                          out_specs=out_specs, check_vma=False),
                            # the state's buffers hold every leaf: given up only when all are
                            donate_argnums=tuple(range(len(self.state_order)))
-                           if self.nstate and set(range(self.nstate)) <= set(donate) else ())
+                           if self.nstate and set(range(self.leaves)) <= set(donate) else ())
 
     # -- the static plan of the program ------------------------------------------------
     def _static(self):
@@ -640,16 +641,43 @@ class Pipelined:
             out.append(Staged(bufs, self.owner[p], k, off, shape, k, self))
         return out
 
+    def _inputs(self, leaves) -> list:
+        """The step's argument leaves as the program's inputs: a leaf the program reads
+        as rows (`Program.split`) gives one input per row."""
+        split = self.prog.split
+        n_leaves = len(self.prog.inputs) - self.nstate + self.leaves
+        if len(leaves) != n_leaves:
+            raise ValueError(f"expected {n_leaves} array leaves, got {len(leaves)}")
+        out = []
+        for k, x in enumerate(leaves):
+            n = split[k] if k < len(split) else 0
+            if not n:
+                out.append(x)
+            elif isinstance(x, StagedRows) and x.owner is self:
+                out += x.rows
+            else:
+                x = x.value() if isinstance(x, Staged) else unshard(x) if isinstance(
+                    x, Sharded) else x
+                out += [x[i] for i in range(n)]
+        return out
+
+    def _state(self, staged) -> list:
+        """Program state leaves back as the step's: rows regrouped (`StagedRows`)."""
+        out, it = [], iter(staged)
+        for k in range(self.leaves):
+            n = self.prog.split[k] if k < len(self.prog.split) else 0
+            out.append(StagedRows(next(it) for _ in range(n)) if n else next(it))
+        return out
+
     def shard(self, *args):
         """The arguments stored as this program reads them: state as `Staged` leaves of
         the per-stage buffers, data on every device."""
         leaves, tree = jax.tree.flatten(args, is_leaf=lambda v: isinstance(v, (Sharded, Staged)))
-        if len(leaves) != len(self.prog.inputs):
-            raise ValueError(f"expected {len(self.prog.inputs)} array leaves, got {len(leaves)}")
+        leaves = self._inputs(leaves)
         bufs = dict(zip(self.state_order, self._pack_state(leaves)))
         rep = NamedSharding(self.mesh, PS())
         data = [jax.device_put(jnp.asarray(x), rep) for x in leaves[self.nstate:]]
-        return jax.tree.unflatten(tree, self._wrap(bufs) + data)
+        return jax.tree.unflatten(tree, self._state(self._wrap(bufs)) + data)
 
     def load(self, load, *args):
         """Like `shard`, every leaf given as a `jax.ShapeDtypeStruct` read through
@@ -672,8 +700,7 @@ class Pipelined:
 
     def run(self, leaves):
         """One step on the flattened arguments; state comes back as `Staged` leaves."""
-        if len(leaves) != len(self.prog.inputs):
-            raise ValueError(f"expected {len(self.prog.inputs)} array leaves, got {len(leaves)}")
+        leaves = self._inputs(leaves)
         state = self._pack_state(leaves)
         rep = NamedSharding(self.mesh, PS())
         data = [jax.device_put(jnp.asarray(x), rep) for x in leaves[self.nstate:]]
@@ -682,7 +709,7 @@ class Pipelined:
         if self.mesh.devices.flat[0].platform == "cpu":
             jax.block_until_ready(outs)
         bufs = dict(zip(self.state_order, outs[:len(self.state_order)]))
-        wrapped = self._wrap(bufs) + list(outs[len(self.state_order):])
+        wrapped = self._state(self._wrap(bufs)) + list(outs[len(self.state_order):])
         return jax.tree.unflatten(self.prog.out_tree, wrapped)
 
     def __call__(self, *args):

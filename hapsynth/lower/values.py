@@ -85,6 +85,27 @@ class Staged:
         return f"Staged(stage {self.stage}, shape={self.shape})"
 
 
+class StagedRows(Staged):
+    """A layer-stacked state leaf stored as its rows, each on the stage of its layer."""
+
+    def __init__(self, rows):
+        self.rows = tuple(rows)
+        first = self.rows[0]
+        self.buffers, self.key, self.owner = first.buffers, first.key, first.owner
+        self.stage, self.offset = None, None
+        self.shape, self.dtype = (len(self.rows), *first.shape), first.dtype
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        return tuple(r.stage for r in self.rows)
+
+    def value(self):
+        return jnp.stack([r.value() for r in self.rows])
+
+    def __repr__(self):
+        return f"StagedRows(stages {self.stages}, shape={self.shape})"
+
+
 
 def spec(layout: Layout, ndim: int) -> PS:
     if layout.kind == "R":

@@ -59,8 +59,9 @@ def analyse(graph: Graph, layouts, op_inputs, num_state_leaves: int) -> Regions:
     tensor) and `op_inputs` (per op, per operand); `NotPipelineable` says why not."""
     ops, n = graph.ops, len(graph.ops)
     if any(op.loop is not None for op in ops):
-        raise NotPipelineable("the step holds a loop region (scan/fori): stages cut only "
-                              "straight-line steps for now")
+        raise NotPipelineable("the step holds a loop region (scan/fori) too long to write "
+                              "out layer by layer (`ir.unroll.MAX_TRIPS`): stages cut only "
+                              "between ops outside loops")
     state = list(graph.inputs[:num_state_leaves])
     data = set(graph.inputs[num_state_leaves:])
     producer = {t: op.id for op in ops for t in op.outputs}

@@ -254,12 +254,15 @@ def _number(x):
 
 def with_pipeline(graph: Graph, cluster: Cluster, spmd: Plan | None, *, num_state_leaves: int,
                   data_inputs, pipeline, min_gain: float = 0.05,
-                  unfit: InfeasibleMemory | None = None) -> Plan:
+                  unfit: InfeasibleMemory | None = None,
+                  straight: tuple[Graph, int] | None = None) -> Plan:
     """`pipeline="auto"`: a pipeline across the cluster's islands when it prices `min_gain`
     faster than `spmd` (the best SPMD-only plan; None when none fits) and fits (a pipeline
     is the more complex program, as data parallelism is kept over a plan barely faster); `True`: the
     pipeline whatever it prices (an error saying why when there is none). The plan's
-    `baselines["SPMD"]` is the SPMD-only time; `solver["pipeline"]` says what was decided."""
+    `baselines["SPMD"]` is the SPMD-only time; `solver["pipeline"]` says what was decided.
+    `straight`: (graph, state leaves) of the step with its loops written out, where
+    stages are cut (the plan then runs that program: `pipeline["unrolled"]`)."""
     from dataclasses import replace
 
     from hapsynth.synth.pipeline import as_plan, plan_pipeline
@@ -276,6 +279,10 @@ def with_pipeline(graph: Graph, cluster: Cluster, spmd: Plan | None, *, num_stat
     if cluster.num_islands < 2:
         return keep(f"cluster {cluster.name!r} has one island (declare islands to pipeline "
                     "across them)")
+    written_out = num_state_leaves
+    if straight is not None:
+        graph, num_state_leaves = straight
+        data_inputs = graph.inputs[num_state_leaves:]
     if graph.batch_dims:
         return keep("the batch is read in microbatch views (a loop over slices)")
     dp = data_parallel_plan(graph, cluster, num_state_leaves=num_state_leaves,
@@ -300,6 +307,8 @@ def with_pipeline(graph: Graph, cluster: Cluster, spmd: Plan | None, *, num_stat
     if spmd is None:
         spmd = replace(dp, predicted_step_time=float("nan"))
     plan = as_plan(pipe, dp, spmd, cluster)
+    if straight is not None:  # the program `ir.unroll` makes of the step's first leaves
+        plan = replace(plan, pipeline={**plan.pipeline, "unrolled": written_out})
     return replace(plan, solver={**plan.solver, "pipeline": (
         f"pipelined: {pipe.step:.4g} s ({pipe.kind}, {pipe.micros} microbatches) vs SPMD-only "
         f"{spmd.predicted_step_time:.4g} s")})

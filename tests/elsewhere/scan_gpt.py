@@ -9,7 +9,8 @@ matrices only.
 
 Sizes: ``tiny`` (vocab 256, width 64, 4 heads, 2 layers, batch 16 x 32 tokens) and
 ``paper`` (BERT-base size: vocab 30522, width 768, 12 heads, 12 layers, MLP 3072,
-batch 2048 x 128 tokens, i.e. ids of length 129; abstract).
+batch 2048 x 128 tokens, i.e. ids of length 129; abstract); ``medium`` (GPT-2-medium
+size: 24 layers of width 1024, batch 64 x 1024 tokens; abstract).
 """
 from __future__ import annotations
 
@@ -44,6 +45,9 @@ CONFIGS = {
                    max_len=32, batch=16, seq_len=32, lr=1e-2, warmup=1, total_steps=100),
     "paper": Config(vocab_size=30522, d_model=768, n_heads=12, n_layers=12, d_ff=3072,
                     max_len=128, batch=2048, seq_len=128),
+    # GPT-2-medium size, as the zoo's gpt "medium" (the pipeline benchmark's row)
+    "medium": Config(vocab_size=50257, d_model=1024, n_heads=16, n_layers=24, d_ff=4096,
+                     max_len=1024, batch=64, seq_len=1024),
 }
 
 
