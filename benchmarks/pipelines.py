@@ -24,13 +24,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if not __package__:  # run as a script: this folder's modules are the package hapsynth_bench
     _here = os.path.dirname(os.path.abspath(__file__))
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
+# train steps written elsewhere (tests/elsewhere): the scan-over-layers GPT
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests"))
 
 import jax  # noqa: E402
 
 import hapsynth as hs  # noqa: E402
 from hapsynth.api import state_arity  # noqa: E402
 from hapsynth.ir import lift_program, trace  # noqa: E402
-from hapsynth.models import get  # noqa: E402
+from hapsynth.ir.unroll import state_inputs, unroll, unrollable  # noqa: E402
+from hapsynth.models import ZOO, get  # noqa: E402
 from hapsynth.synth.pipeline import SCHEDULES, plan_pipeline  # noqa: E402
 from hapsynth.synth.stages import NotPipelineable, analyse  # noqa: E402
 from hapsynth.synth.synthesize import data_parallel_plan  # noqa: E402
@@ -58,19 +61,34 @@ ROWS = [  # (model, config, cluster): where pipelines pay, then where they do no
     ("gpt", "paper", "hap-islands"),
     ("vit", "paper", "hap-islands"),
     ("bert", "paper", "three-islands"),
+    # a scan over layers (tests/elsewhere/scan_gpt.py, remat in its body), written out
+    ("scan_gpt", "medium", "a100x8-v100x8-islands-10g"),
+    ("scan_gpt", "medium", "three-islands"),
 ]
 
 
-def row(model: str, config: str, where, time_limit: float) -> dict:
+def model(name: str, config: str, devices: int):
+    """A zoo model, or a train step written elsewhere (`tests/elsewhere`)."""
+    if name in ZOO:
+        return get(name, config, devices=devices)
+    from elsewhere import get as outside
+    return outside(name, config)
+
+
+def row(name: str, config: str, where, time_limit: float) -> dict:
     cluster = with_link(*where) if isinstance(where, tuple) else hs.Cluster.load(where)
-    step, args = get(model, config, devices=cluster.num_devices)
+    step, args = model(name, config, cluster.num_devices)
     t0 = time.perf_counter()
     auto = hs.parallelize(step, cluster=cluster, time_limit=time_limit, verbose=False).plan(*args)
     k = state_arity(step, args)
     n = len(jax.tree.leaves(args[:k]))
-    graph = lift_program(trace(step, *args))
+    prog = trace(step, *args)
+    if unrollable(prog, n):  # as `pipeline="auto"` cuts it: layer by layer
+        prog = unroll(prog, n)
+        n = state_inputs(prog, n)
+    graph = lift_program(prog)
     dp = data_parallel_plan(graph, cluster, num_state_leaves=n, data_inputs=graph.inputs[n:])
-    out = {"model": f"{model}-{config}", "cluster": cluster.name, "auto": auto.predicted_step_time,
+    out = {"model": f"{name}-{config}", "cluster": cluster.name, "auto": auto.predicted_step_time,
            "chosen": auto.chosen, "spmd": auto.baselines["SPMD"], "ideal": auto.baselines["ideal"],
            "stages": len(auto.stages), "why": auto.solver.get("pipeline", "")}
     try:
@@ -113,8 +131,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="write the markdown here (default: print)")
     a = ap.parse_args(argv)
     rows = []
-    for model, config, where in ROWS:
-        rows.append(row(model, config, where, a.time_limit))
+    for name, config, where in ROWS:
+        try:
+            rows.append(row(name, config, where, a.time_limit))
+        except ImportError as err:  # installed without the repository's tests/
+            print(f"skipped {name}: {err}", file=sys.stderr)
+            continue
         print(table(rows[-1:]).splitlines()[2], file=sys.stderr, flush=True)
     text = (f"# Pipelines across islands (predicted)\n\n"
             f"Generated {datetime.date.today()} by `.venv/bin/python benchmarks/pipelines.py "

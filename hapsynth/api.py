@@ -191,7 +191,7 @@ def plan_program(prog, cluster, *, num_state_leaves: int, remat="auto",
     def plan_of(p) -> Plan:
         graph = lift_program(p)
         straight = None
-        if unrollable(p) and considers_pipeline(cluster, kw.get("pipeline", False),
+        if unrollable(p, num_state_leaves) and considers_pipeline(cluster, kw.get("pipeline", False),
                                                 kw.get("strategy", "auto")):
             u = unroll(p, num_state_leaves)
             straight = lift_program(u), state_inputs(u, num_state_leaves)

@@ -70,12 +70,20 @@ def test_scan_over_layers_written_out_computes_the_same_step():
         np.testing.assert_allclose(g, w, atol=atol, rtol=1e-4)
 
 
-def test_a_layer_row_is_read_by_its_layer_only():
-    """No row input is stacked again: the forward, the backward and the optimizer read
-    a layer's parameters row by row (a stage stores only its layers)."""
-    step, args = get("scan_gpt")
+@pytest.mark.parametrize("name", ["scan_gpt", "unrolled_gpt"])
+def test_a_layer_row_is_read_by_its_layer_only(name):
+    """A scan over stacked layers, or a Python loop taking `w[i]` from them: exactly the
+    layer-stacked leaves (and their Adam moments) are fed as rows, not the positions
+    read as a block (`wpe[:T]`); no row input is stacked again and no gradient is
+    padded into a whole stack: the forward, the backward and the optimizer read a
+    layer's parameters row by row (a stage stores only its layers)."""
+    step, args = get(name)
     prog, n = _traced(step, args)
     u = unroll(prog, n)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
+    assert {paths[k] for k, c in enumerate(u.split) if c} == {
+        p for p in paths[:n] if "['layers']" in p}
+    assert not any(e.name == "pad" for e in u.eqns)
     readers = _readers(u)
     rows = [t for t, p in zip(u.inputs, input_paths(u)) if "[row " in p]
     assert rows

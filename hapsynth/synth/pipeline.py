@@ -328,15 +328,36 @@ class _Evaluator:
                         tuple(tail), head, tuple(fw), tuple(bw), memory, fits, rows)
 
 
+#: Tick tables tried per schedule: a transfer taking `T` seconds puts its reader
+#: `T // (scale * median work)` ticks later than the next (None: the next tick).
+LAG_SCALES = (None, 2.0, 1.0, 0.5)
+
+
 def lockstep(sch: PipeSchedule, fwd, bwd, send, send_back, overlap: bool = True) -> PipeSchedule:
-    """`sch` as the lowering runs it: its table of ticks (`ticks`), each tick's work in one
+    """`sch` as the lowering runs it: a table of ticks (`ticks`), each tick's work in one
     switch on every device, so a tick starts when the previous one's longest work ends.
     Transfers follow the work that makes them, one at a time per link and direction;
     with `overlap` (asynchronous collectives, as XLA schedules them on GPUs) a transfer
-    runs under later ticks and only the tick reading it waits for it; without (XLA on
-    CPU runs a collective where it stands) each tick also waits for its transfers."""
+    runs under later ticks and only the tick reading it waits for it, so tables whose
+    readers of a slow transfer sit further on are tried too (`LAG_SCALES`) and the
+    fastest kept; without (XLA on CPU runs a collective where it stands) each tick also
+    waits for its transfers."""
     S = sch.stages
-    rows = ticks(sch)
+    work = sorted([*fwd, *bwd])
+    tick = max(work[len(work) // 2], 1e-12)
+    best = None
+    for scale in LAG_SCALES if overlap else (None,):
+        lag = {} if scale is None else (
+            {("F", s): int(send[s] // (scale * tick)) for s in range(S - 1)}
+            | {("B", s): int(send_back[s] // (scale * tick)) for s in range(S - 1)})
+        run = _lockstep(sch, ticks(sch, lag), fwd, bwd, send, send_back, overlap)
+        if best is None or run.makespan < best.makespan * (1 - 1e-12):
+            best = run
+    return best
+
+
+def _lockstep(sch, rows, fwd, bwd, send, send_back, overlap) -> PipeSchedule:
+    S = sch.stages
     slots, arrive, link_free = [], {}, {}
     end = 0.0
     for t in sorted({r[0] for r in rows}):
@@ -357,13 +378,19 @@ def lockstep(sch: PipeSchedule, fwd, bwd, send, send_back, overlap: bool = True)
             moved = max(moved, arrive[dst])
         if not overlap:
             end = moved
-    return PipeSchedule(sch.kind, S, sch.micros, tuple(slots), end, sch.in_flight, sch.depths)
+    return PipeSchedule(sch.kind, S, sch.micros, tuple(slots), end, sch.in_flight, sch.depths,
+                        tuple(rows))
 
 
-def ticks(sch: PipeSchedule) -> list[tuple[int, int, int, str]]:
+def ticks(sch: PipeSchedule, lag=None) -> list[tuple[int, int, int, str]]:
     """The schedule as a static table of (tick, stage, microbatch, "F"/"B"): each stage's
     work in its simulated order, a tick after what it waits for (its previous work, the
-    forward before it, the backward after it), as early as that allows."""
+    forward before it, the backward after it), as early as that allows and, across
+    boundary s, `lag[("F" or "B", s)]` ticks later still. A schedule run in lock step
+    keeps the table it ran (`PipeSchedule.ticks`)."""
+    if sch.ticks and lag is None:
+        return [tuple(r) for r in sch.ticks]
+    lag = lag or {}
     S = sch.stages
     before: dict = {}
     last: dict = {}
@@ -376,14 +403,14 @@ def ticks(sch: PipeSchedule) -> list[tuple[int, int, int, str]]:
     def tick(key) -> int:
         if key not in when:
             ph, s, m = key
-            deps = [before[key]]
+            deps = [(before[key], 0)]
             if ph == "F" and s > 0:
-                deps.append(("F", s - 1, m))
+                deps.append((("F", s - 1, m), lag.get(("F", s - 1), 0)))
             if ph == "B":
-                deps.append(("F", s, m))
+                deps.append((("F", s, m), 0))
                 if s < S - 1:
-                    deps.append(("B", s + 1, m))
-            when[key] = 1 + max([-1] + [tick(d) for d in deps if d is not None])
+                    deps.append((("B", s + 1, m), lag.get(("B", s), 0)))
+            when[key] = 1 + max([-1] + [tick(d) + e for d, e in deps if d is not None])
         return when[key]
 
     return sorted((tick(k), k[1], k[2], k[0]) for k in before)

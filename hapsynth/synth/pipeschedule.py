@@ -46,6 +46,7 @@ class PipeSchedule:
     makespan: float
     in_flight: tuple[int, ...]   # per stage: the most microbatches forwarded, not yet back
     depths: tuple[int, ...] = ()  # hetero-1f1b: the warm-up depth chosen per stage
+    ticks: tuple = ()             # as run in lock step: its (tick, stage, micro, phase) rows
 
     def order(self, stage: int) -> list[str]:
         """"F0 F1 B0 F2 ..." on one stage, in time order."""
