@@ -118,6 +118,7 @@ def test_readers_of_a_slow_transfer_may_sit_ticks_later():
     step, args = get("mlp", "tiny")
     plan = hs.parallelize(step, cluster=two_islands(), pipeline=True, time_limit=1).plan(*args)
     p = plan.pipeline
+    assert [list(r) for r in ticks(plan.schedule())] == p["table"]  # the table it runs
     sch = PipeSchedule(p["schedule"], 2, p["micros"], tuple(Slot(*x) for x in p["slots"]),
                        p["makespan"], (1, 1))
     plain, lagged = ticks(sch, {}), ticks(sch, {("F", 0): 2, ("B", 0): 3})

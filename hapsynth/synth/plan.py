@@ -148,7 +148,8 @@ class Plan:
         p = self.pipeline
         slots = tuple(Slot(int(a), int(m), ph, float(x), float(y)) for a, m, ph, x, y in p["slots"])
         return PipeSchedule(p["schedule"], len(self.stages), int(p["micros"]), slots,
-                            float(p["makespan"]), tuple(s["in_flight"] for s in self.stages))
+                            float(p["makespan"]), tuple(s["in_flight"] for s in self.stages),
+                            ticks=tuple(tuple(r) for r in p["table"]))
 
     def stage_lines(self) -> list[str]:
         """A pipeline plan's stages and schedule, a line each (what `summary` prints)."""
@@ -161,6 +162,9 @@ class Plan:
               f"; SPMD-only {spmd:.4g} s ({spmd / self.predicted_step_time:.2f}x)")
         out = [f"  pipeline:    {len(self.stages)} stages, {p['micros']} microbatches, "
                f"{p['schedule']} (bubble {p['bubble']:.0%}; {kinds}){vs}"]
+        if p.get("unrolled") is not None:
+            out.append(f"  written out: loops as layers, the {p['unrolled']} state leaves fed as "
+                       f"{self.state_leaves} inputs (layer-stacked ones by rows)")
         for k, st in enumerate(self.stages):
             out.append(f"  stage {k} {st['island']}: from op {st['from_rank']}, rows {st['rows']}, "
                        f"forward {st['forward'] * 1e3:.4g} ms, backward {st['backward'] * 1e3:.4g} ms "
