@@ -248,6 +248,11 @@ def test_pipelined_scan_over_layers_equals_one_device(layout):
     assert len(rows) == 3 * 12  # 12 layer-stacked parameters, each with two Adam moments
     again = hs.Plan.from_json(plan.to_json())  # a saved plan re-makes the same program
     assert hs.parallelize(step, cluster=cluster, plan=again).plan(*args) is again
+    par = hs.parallelize(step, cluster=cluster, plan=plan)
+    stored = par.shard(*args)  # shard then gather: exactly what was given, rows restacked
+    assert isinstance(stored[0]["layers"]["attn"]["w_qkv"], hs.StagedRows)
+    for a, b in zip(jax.tree.leaves(args), jax.tree.leaves(hs.gather(stored))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     if layout == "4x2":
         layer_stages = {s for x in rows for s in x.stages}
         assert len(layer_stages) >= 3  # the layers spread over stages, not held by one

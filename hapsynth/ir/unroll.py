@@ -44,8 +44,8 @@ class _Stack(list):
     def __init__(self, rows, shape=None, dtype=None):
         super().__init__(rows)
         known = next((r for r in self if r is not None), None)
-        self.shape = tuple(known.shape) if known is not None else tuple(shape)
-        self.dtype = known.dtype if known is not None else dtype
+        self.shape = tuple(np.shape(known)) if known is not None else tuple(shape)
+        self.dtype = jnp.result_type(known) if known is not None else dtype
 
 
 def unrollable(prog: Program, num_state_leaves: int = 0) -> bool:
