@@ -394,3 +394,29 @@ def test_pricing_counts_each_crossing_once():
     want = sum(graph.tensors[t].nbytes for t, ph in crossing
                if not r.forward[producer[t]])
     assert sc["send"][1, 0, 1] == want
+
+
+def test_cut_points_are_priced_by_what_crosses_them():
+    """The bytes a cut sends one way, for shortlisting cuts where little crosses: the
+    backward of a 2-stage cut matches the pricing scan; some cut between blocks sends
+    the residual stream alone, and others send more (a block cut inside)."""
+    from hapsynth.synth.pipeline import _Costs, _crossing, _Evaluator
+    step, args = get("gpt", "tiny")
+    cluster = two_islands()
+    graph, dp, r, n = _regions(step, args, cluster)
+    points = r.cut_points()
+    got = _crossing(graph, r, points)
+    residual = 16 * 16 * 64 * 4  # batch x sequence x width, f32
+    inside = got[got > 0]
+    assert inside.min() == residual and inside.max() >= 2 * residual
+    parts, _ = stage_parts(cluster)
+    ev = _Evaluator(graph, cluster, r, n, _Costs(graph, cluster, r, parts), dp.tensor_layouts)
+    producer = {t: op.id for op in graph.ops for t in op.outputs}
+    for k in (len(points) // 3, len(points) // 2):
+        cut = (points[k],)
+        st = [stage_of(x, cut) if x >= 0 else -1 for x in r.rank]
+        ahead = {t for op in graph.ops if r.region[op.id] == "micro" and st[op.id] == 1
+                 for t in op.inputs if t in producer and r.region[producer[t]] == "micro"
+                 and st[producer[t]] == 0}  # made before the cut, read after: each once
+        back = ev.scan((0, 1), cut)["send"][1, 0, 1]
+        assert got[k] == max(sum(graph.tensors[t].nbytes for t in ahead), back) > 0

@@ -161,11 +161,18 @@ def plan_pipeline(graph: Graph, cluster: Cluster, regions: Regions, layouts, num
     shortlist = []
     orders = [tuple(p for k in perm for p in range(S) if island_of_part[p] == k)
               for perm in itertools.permutations(range(cluster.num_islands))]
+    crossing = _crossing(graph, regions, points)
+    where = np.searchsorted(points, combos)
     for order in orders:
         worst = np.max(np.stack([prefix[order[s]][bounds[:, s + 1]] - prefix[order[s]][bounds[:, s]]
                                  for s in range(S)], axis=1), axis=1)
-        shortlist += [(order, tuple(int(c) for c in combos[k]))
-                      for k in np.argsort(worst, kind="stable")[:keep]]
+        # beside the most balanced cuts, those balanced once the slowest link's transfers
+        # are added (a tick waits for what it reads): where little crosses a slow link
+        links = np.stack([crossing[where[:, s]] / cluster.link_between(
+            islands[order[s]][0], islands[order[s + 1]][0]).beta for s in range(S - 1)], axis=1)
+        picked = dict.fromkeys([*np.argsort(worst, kind="stable")[:keep],
+                                *np.argsort(worst + links.max(axis=1), kind="stable")[:keep]])
+        shortlist += [(order, tuple(int(c) for c in combos[k])) for k in picked]
     evaluator = _Evaluator(graph, cluster, regions, num_state_leaves, costs, layouts)
     # every cut, order and microbatch count under plain 1F1B; the best few under each schedule
     first = []
@@ -185,6 +192,34 @@ def plan_pipeline(graph: Graph, cluster: Cluster, regions: Regions, layouts, num
         return None
     by_kind = {k: evaluator.price(best.order, best.cuts, best.micros, k).step for k in SCHEDULES}
     return Pipeline(**{**best.__dict__, "by_kind": by_kind})
+
+
+def _crossing(graph: Graph, regions: Regions, points) -> np.ndarray:
+    """Per cut point: the bytes a boundary there sends one way, the larger of the two
+    (the whole batch's per-example values made before it and read after, in the
+    forward; cotangents the other way)."""
+    r = regions
+    producer = {t: op.id for op in graph.ops for t in op.outputs}
+    reach: dict = {}  # tensor -> (first, last) rank reading it
+    for op in graph.ops:
+        if r.region[op.id] != "micro" or r.rank[op.id] < 0:
+            continue
+        for x in op.inputs:
+            if x is not None and x in producer:
+                lo, hi = reach.get(x, (r.rank[op.id], r.rank[op.id]))
+                reach[x] = (min(lo, r.rank[op.id]), max(hi, r.rank[op.id]))
+    points = np.asarray(points)
+    ways = np.zeros((2, len(points) + 1))
+    for x, (lo, hi) in reach.items():
+        j = producer[x]
+        if r.region[j] != "micro" or r.rank[j] < 0:
+            continue
+        p, way = r.rank[j], 0 if r.forward[j] else 1
+        a, b = (p, hi) if hi > p else (lo, p)  # crosses a cut c where a < c <= b
+        if b > a:
+            ways[way, np.searchsorted(points, a, "right")] += graph.tensors[x].nbytes
+            ways[way, np.searchsorted(points, b, "right")] -= graph.tensors[x].nbytes
+    return np.cumsum(ways, axis=1)[:, :len(points)].max(axis=0)
 
 
 def _micro_counts(batch: int, S: int, devices: int) -> list[int]:
