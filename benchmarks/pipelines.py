@@ -7,7 +7,10 @@ the heterogeneity-aware 1F1B; what `pipeline="auto"` picks; the ideal. A markdow
 Every figure is the cost model's prediction (no GPU runs here). "SPMD-only" is the best
 plan `hs.parallelize(..., pipeline=False)` finds (it must fit memory); each pipeline
 column is the best pipeline found under that schedule (stage cuts, stage order and
-microbatch count searched for it); "auto" is what `pipeline="auto"` returns. Rows
+microbatch count searched for it); "balanced cuts" prices plain 1F1B and hetero-1F1B
+with cuts shortlisted by balance alone (stages of comparable work, where the schedule
+matters most; the columns before may find a cut where little crosses the slow link
+better still); "auto" is what `pipeline="auto"` returns. Rows
 include where pipelines pay (large gradients, slow inter-island links) and where they
 do not (fast links; activations crossing a cut outweighing the gradients).
 """
@@ -99,13 +102,17 @@ def row(name: str, config: str, where, time_limit: float) -> dict:
     for kind in SCHEDULES:
         p = plan_pipeline(graph, cluster, regions, dp.tensor_layouts, n, kinds=(kind,))
         out[kind] = (p.step, p.micros, len(p.order), p.fits) if p else None
+    for kind in ("1f1b", "hetero-1f1b"):  # the schedules where stages balance
+        p = plan_pipeline(graph, cluster, regions, dp.tensor_layouts, n, kinds=(kind,),
+                          by_links=False)
+        out["balanced " + kind] = p.step if p else None
     out["seconds"] = time.perf_counter() - t0
     return out
 
 
 def table(rows) -> str:
     head = ("| model | cluster | SPMD-only | GPipe | 1F1B | hetero-1F1B | hetero vs 1F1B | "
-            "auto picks | auto vs SPMD | ideal | auto at limit |")
+            "the same, balanced cuts | auto picks | auto vs SPMD | ideal | auto at limit |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         def cell(kind):
@@ -117,8 +124,10 @@ def table(rows) -> str:
         ratio = (f"{r['1f1b'][0] / r['hetero-1f1b'][0]:.2f}x" if r.get("1f1b") and r.get("hetero-1f1b")
                  else "")
         pick = f"pipeline, {r['stages']} stages" if r["chosen"] == "pipeline" else "SPMD"
+        a, b = r.get("balanced 1f1b"), r.get("balanced hetero-1f1b")
+        balanced = f"{a:.3f} / {b:.3f} s = {a / b:.2f}x" if a and b else ""
         lines.append(f"| {r['model']} | {r['cluster']} | {r['spmd']:.3f} s | {cell('gpipe')} | "
-                     f"{cell('1f1b')} | {cell('hetero-1f1b')} | {ratio} | {pick} | "
+                     f"{cell('1f1b')} | {cell('hetero-1f1b')} | {ratio} | {balanced} | {pick} | "
                      f"{r['spmd'] / r['auto']:.2f}x | {r['ideal']:.3f} s | "
                      f"{r['ideal'] / r['auto']:.0%} |")
     notes = [f"- {r['model']} on {r['cluster']}: {r.get('error') or r['why']}" for r in rows]

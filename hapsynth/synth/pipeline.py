@@ -12,8 +12,9 @@ parameters a stage reads but does not store (tied embeddings) arrive first; afte
 last backward a stage all-reduces its gradients inside its island, receives the sums
 other stages made for its parameters, and runs its optimizer. Memory per device: its
 stage's state, the copies it reads, the gradient sums and the activations in flight.
-Cuts are searched where stages balance; the best (cut, order, microbatches, schedule)
-is returned with every schedule's price at that point for comparison.
+Cuts are searched where stages balance, with or without the slowest link's transfers
+added; the best (cut, order, microbatches, schedule) is returned with every schedule's
+price at that point for comparison.
 """
 from __future__ import annotations
 
@@ -132,8 +133,9 @@ def _scaled(cost, f):
 
 
 def plan_pipeline(graph: Graph, cluster: Cluster, regions: Regions, layouts, num_state_leaves: int,
-                  kinds=SCHEDULES, keep: int = 6) -> Pipeline | None:
-    """The best pipeline found, or None when the cluster has one island."""
+                  kinds=SCHEDULES, keep: int = 6, by_links: bool = True) -> Pipeline | None:
+    """The best pipeline found, or None when the cluster has one island. `by_links=False`
+    shortlists the most balanced cuts only (for comparison)."""
     if cluster.num_islands < 2:
         return None
     islands, island_of_part = stage_parts(cluster)
@@ -158,7 +160,7 @@ def plan_pipeline(graph: Graph, cluster: Cluster, regions: Regions, layouts, num
     at = np.searchsorted(sorted_ranks, combos, "left")
     bounds = np.concatenate([np.zeros((len(at), 1), np.int64), at,
                              np.full((len(at), 1), n, np.int64)], axis=1)
-    shortlist = []
+    shortlist, balanced = [], set()
     orders = [tuple(p for k in perm for p in range(S) if island_of_part[p] == k)
               for perm in itertools.permutations(range(cluster.num_islands))]
     crossing = _crossing(graph, regions, points)
@@ -170,11 +172,14 @@ def plan_pipeline(graph: Graph, cluster: Cluster, regions: Regions, layouts, num
         # are added (a tick waits for what it reads): where little crosses a slow link
         links = np.stack([crossing[where[:, s]] / cluster.link_between(
             islands[order[s]][0], islands[order[s + 1]][0]).beta for s in range(S - 1)], axis=1)
-        picked = dict.fromkeys([*np.argsort(worst, kind="stable")[:keep],
-                                *np.argsort(worst + links.max(axis=1), kind="stable")[:keep]])
+        picked = dict.fromkeys([*np.argsort(worst, kind="stable")[:keep], *(
+            np.argsort(worst + links.max(axis=1), kind="stable")[:keep] if by_links else ())])
         shortlist += [(order, tuple(int(c) for c in combos[k])) for k in picked]
+        balanced |= {(order, tuple(int(c) for c in combos[k]))
+                     for k in np.argsort(worst, kind="stable")[:keep]}
     evaluator = _Evaluator(graph, cluster, regions, num_state_leaves, costs, layouts)
-    # every cut, order and microbatch count under plain 1F1B; the best few under each schedule
+    # every cut, order and microbatch count under plain 1F1B; the best few under each
+    # schedule, and the best few of the balanced cuts (where the schedules differ most)
     first = []
     for order, cuts in shortlist:
         for M in _micro_counts(regions.batch, S, max(len(islands[k]) for k in order)):
@@ -183,7 +188,8 @@ def plan_pipeline(graph: Graph, cluster: Cluster, regions: Regions, layouts, num
                 first.append(((not p.fits, p.step), order, cuts, M))
     first.sort()
     best = None
-    for _, order, cuts, M in first[:4]:
+    again = first[:4] + [x for x in first if (x[1], x[2]) in balanced][:4]
+    for order, cuts, M in dict.fromkeys((o, c, m) for _, o, c, m in again):
         for kind in kinds:
             p = evaluator.price(order, cuts, M, kind)
             if p is not None and (best is None or (not p.fits, p.step) < (not best.fits, best.step)):
