@@ -5,7 +5,8 @@ the heterogeneity-aware 1F1B; what `pipeline="auto"` picks; the ideal. A markdow
     .venv/bin/python -m hapsynth_bench.pipelines ...        (the same, installed)
 
 Every figure is the cost model's prediction (no GPU runs here). "SPMD-only" is the best
-plan `hs.parallelize(..., pipeline=False)` finds (it must fit memory); each pipeline
+plan `hs.parallelize(..., pipeline=False)` finds (it must fit memory; it may recompute
+activations so that the faster devices hold the step alone); each pipeline
 column is the best pipeline found under that schedule (stage cuts, stage order and
 microbatch count searched for it); "balanced cuts" prices plain 1F1B and hetero-1F1B
 with cuts shortlisted by balance alone (stages of comparable work, where the schedule
@@ -93,7 +94,8 @@ def row(name: str, config: str, where, time_limit: float) -> dict:
     dp = data_parallel_plan(graph, cluster, num_state_leaves=n, data_inputs=graph.inputs[n:])
     out = {"model": f"{name}-{config}", "cluster": cluster.name, "auto": auto.predicted_step_time,
            "chosen": auto.chosen, "spmd": auto.baselines["SPMD"], "ideal": auto.baselines["ideal"],
-           "stages": len(auto.stages), "why": auto.solver.get("pipeline", "")}
+           "stages": len(auto.stages), "why": auto.solver.get("pipeline", ""),
+           "idle": [st["island"] for st in auto.stages if st["forward"] + st["backward"] == 0]}
     try:
         regions = analyse(graph, dp.tensor_layouts, dp.op_inputs, n)
     except NotPipelineable as e:
@@ -124,6 +126,8 @@ def table(rows) -> str:
         ratio = (f"{r['1f1b'][0] / r['hetero-1f1b'][0]:.2f}x" if r.get("1f1b") and r.get("hetero-1f1b")
                  else "")
         pick = f"pipeline, {r['stages']} stages" if r["chosen"] == "pipeline" else "SPMD"
+        if r.get("idle"):  # microbatches on the other islands alone: gradient accumulation
+            pick += f" ({', '.join(r['idle'])} idle)"
         a, b = r.get("balanced 1f1b"), r.get("balanced hetero-1f1b")
         balanced = f"{a:.3f} / {b:.3f} s = {a / b:.2f}x" if a and b else ""
         lines.append(f"| {r['model']} | {r['cluster']} | {r['spmd']:.3f} s | {cell('gpipe')} | "

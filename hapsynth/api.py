@@ -19,7 +19,7 @@ from hapsynth.lower.pipeline import Pipelined
 from hapsynth.lower.program import Lowered
 from hapsynth.lower.values import Sharded
 from hapsynth.synth.plan import Plan
-from hapsynth.synth.subsets import on_fewer_devices
+from hapsynth.synth.subsets import candidates, on_fewer_devices
 from hapsynth.synth.synthesize import (InfeasibleMemory, NoDataParallelism, Options,
                                        data_parallel_plan, synthesize, with_pipeline)
 
@@ -41,7 +41,8 @@ def check_devices(devices) -> None:
 
 
 def check_remat(remat) -> None:
-    """`remat` is "auto" (recompute cheap activations when no plan holds them) or False."""
+    """`remat` is "auto" (recompute cheap activations when no plan holds them, or when
+    that lets a faster plan hold them) or False."""
     if remat not in ("auto", False):
         raise ValueError(f"remat must be 'auto' or False, got {remat!r}")
 
@@ -184,12 +185,20 @@ def fitting_data_parallel(graph, cluster, num_state_leaves, data_inputs) -> floa
 def plan_program(prog, cluster, *, num_state_leaves: int, remat="auto",
                  **kw) -> tuple[Plan, object]:
     """`make_plan` for a traced step, and the program the plan runs: the step as written
-    or, when no plan holds its activations and `remat` is "auto", with cheap ones
-    recomputed in the backward pass (`ir/remat.py`; `plan.remat` says so)."""
+    or, with `remat="auto"`, with cheap activations recomputed in the backward pass
+    (`ir/remat.py`; `plan.remat` says so) when no plan holds them, or when that lets the
+    faster devices hold the step alone and prices faster (`faster_recomputed`)."""
     check_remat(remat)
 
+    lifted: dict = {}
+
+    def lift(p):
+        if id(p) not in lifted:
+            lifted[id(p)] = p, lift_program(p)  # (the program kept: its id stays its own)
+        return lifted[id(p)][1]
+
     def plan_of(p) -> Plan:
-        graph = lift_program(p)
+        graph = lift(p)
         straight = None
         if unrollable(p, num_state_leaves) and considers_pipeline(cluster, kw.get("pipeline", False),
                                                 kw.get("strategy", "auto")):
@@ -206,9 +215,18 @@ def plan_program(prog, cluster, *, num_state_leaves: int, remat="auto",
     if not hopeless:
         try:
             plan = plan_of(prog)
-            return plan, program_of(plan, prog)
         except InfeasibleMemory as err:
             unfit = err
+        else:
+            again, target = faster_recomputed(prog, plan, cluster, num_state_leaves, lift, **kw)
+            if again is not None:
+                try:
+                    other = replace(plan_of(again), remat=describe(prog, again, target))
+                except InfeasibleMemory:
+                    other = None
+                plan = sooner(plan, other, kw.get("pipeline", False),
+                              kw.get("min_gain", Options.min_gain))
+            return plan, program_of(plan, prog)
     # as little recomputation as the memory may need (data parallelism holds the state
     # whole on every device), then all of it
     state = sum(prog.avals[t].nbytes for t in prog.inputs[:num_state_leaves])
@@ -238,6 +256,71 @@ def plan_program(prog, cluster, *, num_state_leaves: int, remat="auto",
                     return other, program_of(other, prog)  # (data parallelism fits there: so does this plan)
         return plan, program_of(plan, prog)
     raise InfeasibleMemory(f"{unfit} (with activations recomputed in the backward pass)")
+
+
+def faster_recomputed(prog, plan: Plan, cluster: Cluster, num_state_leaves: int,
+                      lift=lift_program, *,
+                      strategy="auto", devices="auto", min_gain=Options.min_gain, **_):
+    """When `plan` fits only because the step's activations are spread over more (or
+    slower) devices than its work needs: `prog` with as much recomputed as lets the
+    faster devices hold it, and the memory target it was recomputed to (None: all), if
+    data parallelism there then prices `min_gain` faster than `plan`; else (None, None)."""
+    if strategy == "data-parallel" or plan.remat:
+        return None, None
+    best = (spmd_time(plan) * (1 - min_gain), None, None)  # a pipeline's SPMD-only too
+    flops = plan.baselines.get("ideal", 0.0) * cluster.total_flops
+    state = sum(prog.avals[t].nbytes for t in prog.inputs[:num_state_leaves])
+    whole = tuple(range(cluster.num_devices))
+    subsets = [whole] + ([] if devices == "all" or jax.process_count() > 1 else candidates(cluster))
+    graph, full = None, ()
+    for devs in subsets:
+        sub = cluster if devs == whole else cluster.subset(devs)
+        if flops / sub.total_flops >= best[0]:
+            continue  # too few FLOP/s even without recomputing
+        if graph is None:
+            graph = lift(prog)
+        data = graph.inputs[num_state_leaves:]
+        if fitting_data_parallel(graph, sub, num_state_leaves, data) < float("inf"):
+            continue  # holds it as written already: recomputing only adds work there
+        target = 0.9 * room([sub.device_class(d).memory for d in range(sub.num_devices)], state)
+        full = rematerialize(prog) if full == () else full
+        for again, t in ((rematerialize(prog, target), target), (full, None)):
+            if again is None:
+                continue
+            g = lift(again)
+            price = fitting_data_parallel(g, sub, num_state_leaves, g.inputs[num_state_leaves:])
+            if price < best[0]:
+                best = (price, again, t)
+    return best[1], best[2]
+
+
+def spmd_time(plan: Plan) -> float:
+    """The plan's time, or for a pipeline the SPMD-only plan's (infinity: none fits)."""
+    t = plan.baselines.get("SPMD", float("nan")) if plan.stages else plan.predicted_step_time
+    return float("inf") if t != t else t
+
+
+def sooner(plan: Plan, other: Plan | None, pipeline, min_gain: float) -> Plan:
+    """The faster of two plans of one step (as written, recomputed); a pipeline only when
+    `min_gain` faster than SPMD alone (unless `pipeline` is True). The kept plan's
+    `baselines["SPMD"]` is the better of the two SPMD-only times."""
+    if other is None:
+        return plan
+
+    def price(p: Plan) -> float:
+        gain = 1 - min_gain if p.stages and pipeline is not True else 1.0
+        return p.predicted_step_time / gain
+
+    best = min((plan, other), key=price)
+    if "SPMD" not in best.baselines:
+        return best
+    alone = min(spmd_time(plan), spmd_time(other))
+    alone = alone if alone < float("inf") else float("nan")
+    solver = best.solver
+    if best.stages and alone < spmd_time(best):
+        solver = {**solver, "pipeline": f"{solver.get('pipeline', '')}; SPMD-only with "
+                                        f"activations recomputed {alone:.4g} s"}
+    return replace(best, baselines={**best.baselines, "SPMD": alone}, solver=solver)
 
 
 def synthesize_once(prog, cluster, **kw) -> tuple[Plan, object]:
@@ -363,8 +446,9 @@ def parallelize(train_step=None, *, cluster, donate_argnums=(), **options):
     the cluster's islands when it prices faster than the best SPMD-only plan; True: a
     pipeline; False: SPMD only), `devices` ("auto": the plan may leave the slowest class,
     or all but the strongest island or host, idle when it prices faster that way; "all":
-    every device works), `remat` ("auto": when no plan holds the step's activations, cheap
-    ones are recomputed in the backward pass; False: never), `verbose` (a progress bar while
+    every device works), `remat` ("auto": when no plan holds the step's activations, or when
+    the faster devices hold them alone only so, cheap ones are recomputed in the backward
+    pass; False: never), `verbose` (a progress bar while
     planning: None shows it when run in a terminal or a notebook, not in CI)."""
     if train_step is None:
         return lambda fn: Parallelized(fn, cluster, donate_argnums=donate_argnums, **options)

@@ -125,12 +125,7 @@ def test_recomputes_only_what_the_memory_needs_first():
     """A cluster short of room for the step as written, with room for it once its largest
     activations are recomputed: only those are, and a saved plan is applied to the same
     rewritten program."""
-    from test_lowering import compare
-
-    rng = np.random.default_rng(0)
-    params = [jnp.asarray(rng.normal(size=(64, 64)) / 8, jnp.float32) for _ in range(2)]
-    x = jnp.asarray(rng.normal(size=(1024, 64)), jnp.float32)
-    y = jax.nn.one_hot(jnp.arange(1024) % 64, 64)
+    params, x, y = _mlp_data(0)
     prog = trace(_mlp_step, params, x, y)
     state = sum(w.nbytes for w in params)
     cluster = hs.Cluster.simulated([("CPU", 8, {"memory": int(state + 0.8 * peak_bytes(prog) / 8)})])
@@ -140,6 +135,20 @@ def test_recomputes_only_what_the_memory_needs_first():
     assert plan.remat["target"] is not None
     assert 0 < plan.remat["recomputed"] < describe(prog, full, None)["recomputed"]
     assert peak_bytes(full) < plan.remat["peak_after"] <= plan.remat["target"]
+    _three_steps_and_reload(par, plan, cluster, params, x, y)
+
+
+def _mlp_data(seed):
+    rng = np.random.default_rng(seed)
+    params = [jnp.asarray(rng.normal(size=(64, 64)) / 8, jnp.float32) for _ in range(2)]
+    x = jnp.asarray(rng.normal(size=(1024, 64)), jnp.float32)
+    return params, x, jax.nn.one_hot(jnp.arange(1024) % 64, 64)
+
+
+def _three_steps_and_reload(par, plan, cluster, params, x, y):
+    """3 chained steps of `par` equal `jit(_mlp_step)`; so does the plan reloaded."""
+    from test_lowering import compare
+
     ref = jax.jit(_mlp_step)
     want, got = (params,), (params,)
     for _ in range(3):
@@ -183,3 +192,58 @@ def test_a_pipeline_too_big_as_written_is_recomputed_and_equals_one_device():
                        remat=False).plan(*args)
     plan, _ = _three_steps(step, args, cluster)
     assert len(plan.stages) == 2 and plan.remat["recomputed"] > 0
+
+
+def _fast_but_small(params, x, y):
+    """2 fast devices that hold `_mlp_step` only recomputed (room for 60% of its peak
+    activations), beside 6 devices 20x slower behind a slow link that hold anything."""
+    prog = trace(_mlp_step, params, x, y)
+    state = sum(w.nbytes for w in params)
+    return hs.Cluster.simulated(
+        [("CPU", 2, {"name": "fast", "flops": "400GFLOP/s", "host": 0,
+                     "memory": int(state + 0.3 * peak_bytes(prog))}),
+         ("CPU", 6, {"name": "slow", "flops": "20GFLOP/s", "mem_bandwidth": "1GB/s",
+                     "host_ids": [1, 1, 1, 2, 2, 2]})],
+        links={"intra_host": {"bandwidth": "10GB/s", "latency": "5us"},
+               "inter_host": {"bandwidth": "1Gbps", "latency": "200us"}}, name="fast-but-small")
+
+
+def test_recomputing_lets_the_fast_devices_hold_the_step_alone():
+    """The step fits as written only with rows on the slow devices; recomputed, the fast
+    ones hold it alone, and that plan is kept because it prices faster."""
+    params, x, y = _mlp_data(1)
+    cluster = _fast_but_small(params, x, y)
+    written = hs.parallelize(_mlp_step, cluster=cluster, time_limit=1,
+                             remat=False).plan(params, x, y)
+    assert written.remat is None and written.ratios["slow"] > 0
+    par = hs.parallelize(_mlp_step, cluster=cluster, time_limit=1)
+    plan = par.plan(params, x, y)
+    assert plan.remat is not None and plan.remat["recomputed"] > 0, plan.summary()
+    assert plan.devices == (0, 1) and plan.ratios["slow"] == 0
+    assert plan.predicted_step_time < 0.95 * written.predicted_step_time
+    assert plan.remat["peak_after"] <= plan.remat["target"] < plan.remat["peak_before"]
+    _three_steps_and_reload(par, plan, cluster, params, x, y)
+
+
+def test_the_sooner_plan_is_kept_and_a_pipeline_reports_the_best_spmd_only_time():
+    from dataclasses import replace
+
+    from hapsynth.api import sooner
+
+    step, args, _, _ = _programs()
+    base = hs.parallelize(step, cluster=hs.Cluster.load("cpu8-even"), time_limit=1).plan(*args)
+    stage = {"island": "a", "devices": [0], "forward": 1.0, "backward": 1.0}
+    pipe = replace(base, predicted_step_time=1.5, stages=[stage, stage],
+                   baselines={**base.baselines, "SPMD": 10.0}, solver={"pipeline": "pipelined"})
+    spmd = replace(base, predicted_step_time=1.8, baselines={**base.baselines, "SPMD": 1.8})
+    kept = sooner(pipe, spmd, "auto", 0.05)
+    assert kept.stages and kept.baselines["SPMD"] == 1.8
+    assert "recomputed 1.8 s" in kept.solver["pipeline"]
+    # a pipeline under min_gain faster than SPMD alone is not worth its complexity...
+    close = replace(pipe, predicted_step_time=1.75)
+    assert not sooner(close, spmd, "auto", 0.05).stages
+    assert sooner(spmd, close, "auto", 0.05) == spmd
+    # ...unless asked for; and the faster SPMD plan wins among SPMD plans
+    assert sooner(close, spmd, True, 0.05).stages
+    assert sooner(spmd, replace(spmd, predicted_step_time=1.7), False, 0.05).predicted_step_time == 1.7
+    assert sooner(spmd, None, "auto", 0.05) is spmd
