@@ -168,8 +168,8 @@ def improve(problem: Problem, best: Choice, options: Options, clock: Clock):
             #        clock: the plan must depend on the seed alone)
         pr = best.priced
         progress.phase("CP-SAT")
-        a, stats = solve(pr.tables, list(best.assign), time_limit=0.3 * options.time_limit / rounds,
-                         workers=options.workers, wall_limit=0.35 * options.time_limit / rounds,
+        a, stats = solve(pr.tables, list(best.assign), time_limit=0.13 * options.time_limit / rounds,
+                         workers=options.workers, wall_limit=options.time_limit / rounds,
                          seed=options.seed, ties=problem.ties,
                          memory=(problem.capacity, pr.memory.constraint_rows(list(best.assign))))
         solve_wall += stats.wall
