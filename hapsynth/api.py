@@ -272,25 +272,34 @@ def faster_recomputed(prog, plan: Plan, cluster: Cluster, num_state_leaves: int,
     state = sum(prog.avals[t].nbytes for t in prog.inputs[:num_state_leaves])
     whole = tuple(range(cluster.num_devices))
     subsets = [whole] + ([] if devices == "all" or jax.process_count() > 1 else candidates(cluster))
-    graph, full = None, ()
+    graph, full = lift(prog), ()
     for devs in subsets:
         sub = cluster if devs == whole else cluster.subset(devs)
+
+        @functools.lru_cache(maxsize=None)
+        def price_on(p, sub=sub):
+            g = lift(p)
+            return fitting_data_parallel(g, sub, num_state_leaves, g.inputs[num_state_leaves:])
+
         if flops / sub.total_flops >= best[0]:
             continue  # too few FLOP/s even without recomputing
-        if graph is None:
-            graph = lift(prog)
-        data = graph.inputs[num_state_leaves:]
-        if fitting_data_parallel(graph, sub, num_state_leaves, data) < float("inf"):
-            continue  # holds it as written already: recomputing only adds work there
-        target = 0.9 * room([sub.device_class(d).memory for d in range(sub.num_devices)], state)
+        # data parallelism as written there, memory aside (the plan has the whole cluster's)
+        dp = plan if devs == whole else data_parallel_or_none(
+            graph, sub, num_state_leaves, graph.inputs[num_state_leaves:])
+        cap = min(k.memory for k in sub.classes)
+        alone = {k: dp.baselines[k] for k in ("DP-EV", "DP-CP")
+                 if dp and k in dp.baselines and k in dp.baseline_memory}
+        if not alone or any(dp.baseline_memory[k] <= cap for k in alone) \
+                or min(alone.values()) >= best[0]:
+            continue  # it fits as written there, or is not faster even without recomputing
         full = rematerialize(prog) if full == () else full
-        for again, t in ((rematerialize(prog, target), target), (full, None)):
-            if again is None:
-                continue
-            g = lift(again)
-            price = fitting_data_parallel(g, sub, num_state_leaves, g.inputs[num_state_leaves:])
-            if price < best[0]:
-                best = (price, again, t)
+        if full is None or price_on(full) >= best[0]:
+            continue  # all of it recomputed does not fit there or is no faster
+        best = (price_on(full), full, None)
+        target = 0.9 * room([sub.device_class(d).memory for d in range(sub.num_devices)], state)
+        light = rematerialize(prog, target)  # less recomputed: faster, when it fits
+        if light is not None and price_on(light) < best[0]:
+            best = (price_on(light), light, target)
     return best[1], best[2]
 
 
