@@ -281,8 +281,8 @@ def faster_recomputed(prog, plan: Plan, cluster: Cluster, num_state_leaves: int,
             g = lift(p)
             return fitting_data_parallel(g, sub, num_state_leaves, g.inputs[num_state_leaves:])
 
-        if flops / sub.total_flops >= best[0]:
-            continue  # too few FLOP/s even without recomputing
+        if flops / sub.total_flops >= best[0] or devs == plan.devices:
+            continue  # too few FLOP/s even without recomputing, or where the plan runs
         # data parallelism as written there, memory aside (the plan has the whole cluster's)
         dp = plan if devs == whole else data_parallel_or_none(
             graph, sub, num_state_leaves, graph.inputs[num_state_leaves:])
