@@ -264,7 +264,8 @@ def faster_recomputed(prog, plan: Plan, cluster: Cluster, num_state_leaves: int,
     """When `plan` fits only because the step's activations are spread over more (or
     slower) devices than its work needs: `prog` with as much recomputed as lets the
     faster devices hold it, and the memory target it was recomputed to (None: all), if
-    data parallelism there then prices `min_gain` faster than `plan`; else (None, None)."""
+    data parallelism there then prices `min_gain` faster than `plan` (than its SPMD-only
+    time, for a pipeline); else (None, None)."""
     if strategy == "data-parallel" or plan.remat:
         return None, None
     best = (spmd_time(plan) * (1 - min_gain), None, None)  # a pipeline's SPMD-only too
@@ -275,14 +276,14 @@ def faster_recomputed(prog, plan: Plan, cluster: Cluster, num_state_leaves: int,
     graph, full = lift(prog), ()
     for devs in subsets:
         sub = cluster if devs == whole else cluster.subset(devs)
+        if flops / sub.total_flops >= best[0] or devs == plan.devices:
+            continue  # too few FLOP/s even without recomputing, or where the plan runs
 
         @functools.lru_cache(maxsize=None)
         def price_on(p, sub=sub):
             g = lift(p)
             return fitting_data_parallel(g, sub, num_state_leaves, g.inputs[num_state_leaves:])
 
-        if flops / sub.total_flops >= best[0] or devs == plan.devices:
-            continue  # too few FLOP/s even without recomputing, or where the plan runs
         # data parallelism as written there, memory aside (the plan has the whole cluster's)
         dp = plan if devs == whole else data_parallel_or_none(
             graph, sub, num_state_leaves, graph.inputs[num_state_leaves:])
