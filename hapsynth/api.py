@@ -294,9 +294,10 @@ def faster_recomputed(prog, plan: Plan, cluster: Cluster, num_state_leaves: int,
                 or min(alone.values()) >= best[0]:
             continue  # it fits as written there, or is not faster even without recomputing
         full = rematerialize(prog) if full == () else full
-        if full is None or price_on(full) >= best[0]:
-            continue  # all of it recomputed does not fit there or is no faster
-        best = (price_on(full), full, None)
+        if full is None or price_on(full) == float("inf"):
+            continue  # not even all of it recomputed fits there: nor does less
+        if price_on(full) < best[0]:
+            best = (price_on(full), full, None)
         target = 0.9 * room([sub.device_class(d).memory for d in range(sub.num_devices)], state)
         light = rematerialize(prog, target)  # less recomputed: faster, when it fits
         if light is not None and price_on(light) < best[0]:

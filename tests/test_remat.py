@@ -182,7 +182,7 @@ def test_a_pipeline_too_big_as_written_is_recomputed_and_equals_one_device():
     step, args = zoo("gpt", "tiny")
     prog = trace(step, *args)
     inputs = sum(prog.avals[t].nbytes for t in prog.inputs)
-    memory = {"memory": int(inputs + 0.2 * peak_bytes(prog) / 8)}
+    memory = {"memory": int(inputs + 0.05 * peak_bytes(prog) / 8)}
     cluster = hs.Cluster.simulated([("A100", 4, memory), ("V100", 4, memory)],
                                    devices_per_host=4, islands={"a": ["A100"], "b": ["V100"]},
                                    links={"inter_island": {"bandwidth": "10Gbps",
