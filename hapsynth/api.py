@@ -176,10 +176,18 @@ def data_parallel_or_none(graph, cluster, num_state_leaves, data_inputs) -> Plan
 
 def fitting_data_parallel(graph, cluster, num_state_leaves, data_inputs) -> float:
     """Data parallelism's best fitting time on `cluster` (infinity when none fits)."""
-    dp = data_parallel_or_none(graph, cluster, num_state_leaves, data_inputs)
+    return dp_prices(data_parallel_or_none(graph, cluster, num_state_leaves, data_inputs),
+                     cluster)[0]
+
+
+def dp_prices(dp: Plan | None, cluster: Cluster) -> tuple[float, float]:
+    """Data parallelism's best time on `cluster` that fits, and its best time memory aside
+    (infinity where there is none), from `dp`'s baselines."""
     cap = min(k.memory for k in cluster.classes)
-    return min((dp.baselines[k] for k in ("DP-EV", "DP-CP") if dp and k in dp.baselines
-                and dp.baseline_memory[k] <= cap), default=float("inf"))
+    times = [(dp.baselines[k], dp.baseline_memory[k] <= cap) for k in ("DP-EV", "DP-CP")
+             if dp and k in dp.baselines and k in dp.baseline_memory]
+    return (min((t for t, fits in times if fits), default=float("inf")),
+            min((t for t, _ in times), default=float("inf")))
 
 
 def plan_program(prog, cluster, *, num_state_leaves: int, remat="auto",
@@ -287,11 +295,8 @@ def faster_recomputed(prog, plan: Plan, cluster: Cluster, num_state_leaves: int,
         # data parallelism as written there, memory aside (the plan has the whole cluster's)
         dp = plan if devs == whole else data_parallel_or_none(
             graph, sub, num_state_leaves, graph.inputs[num_state_leaves:])
-        cap = min(k.memory for k in sub.classes)
-        alone = {k: dp.baselines[k] for k in ("DP-EV", "DP-CP")
-                 if dp and k in dp.baselines and k in dp.baseline_memory}
-        if not alone or any(dp.baseline_memory[k] <= cap for k in alone) \
-                or min(alone.values()) >= best[0]:
+        fitting, alone = dp_prices(dp, sub)
+        if fitting < float("inf") or alone >= best[0]:
             continue  # it fits as written there, or is not faster even without recomputing
         full = rematerialize(prog) if full == () else full
         if full is None or price_on(full) == float("inf"):
