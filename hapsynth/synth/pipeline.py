@@ -336,9 +336,18 @@ class _Evaluator:
             scale = 1 if direct[s] else len(islands[s])
             fw.append(seconds(s, s + 1, sum(send[a, s + 1, 0] for a in range(s + 1)), scale))
             bw.append(seconds(s + 1, s, sum(send[b, s, 1] for b in range(s + 1, S)), scale))
-        pre = [p for p, o in enumerate(owner) if any(p in needs[s] for s in range(S) if s != o)]
-        head = max([0.0] + [seconds(owner[p], s, g.tensors[g.inputs[p]].nbytes)
-                            for p in pre for s in range(S) if p in needs[s] and s != owner[p]])
+        copy = np.zeros((S, S))  # parameter bytes a -> b before the first tick (one buffer)
+        for s in range(S):
+            for p in needs[s]:
+                if owner[p] != s:
+                    copy[owner[p], s] += g.tensors[g.inputs[p]].nbytes
+        copied = {(a, b): seconds(a, b, copy[a, b]) for a in range(S) for b in range(S)
+                  if copy[a, b] > 0}
+        head = max([0.0, *copied.values()])
+        ready: dict = {}  # on GPUs the copies run under the first ticks, on their links
+        for (a, b), t in copied.items() if self.overlap else ():
+            key = ("F", b - 1) if a < b else ("B", b)
+            ready[key] = ready.get(key, 0.0) + t
         cap = [min(cluster.classes[cluster.class_of(d)].memory for d in devs) for devs in islands]
         state = [0.0] * S
         for p, o in enumerate(owner):
@@ -352,17 +361,23 @@ class _Evaluator:
                       for s in range(S)]
         try:
             def run(x):
-                return lockstep(x, fwd, bwd, fw, bw, overlap=self.overlap)
+                return lockstep(x, fwd, bwd, fw, bw, overlap=self.overlap, ready=ready)
             sch = run(schedule(kind, fwd, bwd, M, fw, bw, memory_cap=memory_cap,
                                cost=lambda x: run(x).makespan))
         except RuntimeError:
             return None
-        tail = []
+        tail, sync = [], [all_reduce(cluster, acc[s], islands[s]) for s in range(S)]
         for s in range(S):
-            sync = all_reduce(cluster, acc[s], islands[s])
             recv = sum(seconds(a, s, once[a, s]) for a in range(S) if a != s)
-            tail.append(sync + recv + whole[s])
-        step = head + sch.makespan + max(tail)  # the once-per-step rounds run in step too
+            tail.append(sync[s] + recv + whole[s])
+        if self.overlap:  # a stage sums and sends its part once its own last work is done
+            done = [max([0.0] + [x.end for x in sch.slots if x.stage == s]) + sync[s]
+                    for s in range(S)]
+            step = max(max([done[s]] + [done[a] + seconds(a, s, once[a, s])
+                                        for a in range(S) if a != s]) + whole[s]
+                       for s in range(S))
+        else:  # XLA on CPU: the copies first, the once-per-step rounds after every tick
+            step = head + sch.makespan + max(tail)
         memory = tuple(fixed[s] + (sch.in_flight[s] + 1) * per_micro[s] for s in range(S))
         fits = all(m <= c for m, c in zip(memory, cap))
         return Pipeline(tuple(order), tuple(cuts), M, kind, step, sch, tuple(fwd), tuple(bwd),
@@ -374,7 +389,8 @@ class _Evaluator:
 LAG_SCALES = (None, 2.0, 1.0, 0.5)
 
 
-def lockstep(sch: PipeSchedule, fwd, bwd, send, send_back, overlap: bool = True) -> PipeSchedule:
+def lockstep(sch: PipeSchedule, fwd, bwd, send, send_back, overlap: bool = True,
+             ready=None) -> PipeSchedule:
     """`sch` as the lowering runs it: a table of ticks (`ticks`), each tick's work in one
     switch on every device, so a tick starts when the previous one's longest work ends.
     Transfers follow the work that makes them, one at a time per link and direction;
@@ -382,7 +398,9 @@ def lockstep(sch: PipeSchedule, fwd, bwd, send, send_back, overlap: bool = True)
     runs under later ticks and only the tick reading it waits for it, so tables whose
     readers of a slow transfer sit further on are tried too (`LAG_SCALES`) and the
     fastest kept; without (XLA on CPU runs a collective where it stands) each tick also
-    waits for its transfers."""
+    waits for its transfers. `ready`: per link direction, when what was sent over it
+    before the first tick (parameter copies) has arrived; a stage's first tick waits for
+    what comes to it."""
     S = sch.stages
     work = sorted([*fwd, *bwd])
     tick = max(work[len(work) // 2], 1e-12)
@@ -391,19 +409,23 @@ def lockstep(sch: PipeSchedule, fwd, bwd, send, send_back, overlap: bool = True)
         lag = {} if scale is None else (
             {("F", s): int(send[s] // (scale * tick)) for s in range(S - 1)}
             | {("B", s): int(send_back[s] // (scale * tick)) for s in range(S - 1)})
-        run = _lockstep(sch, ticks(sch, lag), fwd, bwd, send, send_back, overlap)
+        run = _lockstep(sch, ticks(sch, lag), fwd, bwd, send, send_back, overlap, ready or {})
         if best is None or run.makespan < best.makespan * (1 - 1e-12):
             best = run
     return best
 
 
-def _lockstep(sch, rows, fwd, bwd, send, send_back, overlap) -> PipeSchedule:
+def _lockstep(sch, rows, fwd, bwd, send, send_back, overlap, ready) -> PipeSchedule:
     S = sch.stages
-    slots, arrive, link_free = [], {}, {}
-    end = 0.0
+    slots, arrive, link_free = [], {}, dict(ready)
+    copied = {s: max([0.0] + [v for (ph, b), v in ready.items()
+                              if (b + 1 if ph == "F" else b) == s]) for s in range(S)}
+    end, begun = 0.0, set()
     for t in sorted({r[0] for r in rows}):
         work = [(s, m, ph) for tt, s, m, ph in rows if tt == t]
-        start = max([end] + [arrive.get((ph, s, m), 0.0) for s, m, ph in work])
+        start = max([end] + [arrive.get((ph, s, m), 0.0) for s, m, ph in work]
+                    + [copied[s] for s, _, _ in work if s not in begun])
+        begun |= {s for s, _, _ in work}
         length = [fwd[s] if ph == "F" else bwd[s] for s, _, ph in work]
         end = start + max(length)
         slots += [Slot(s, m, ph, start, start + d) for (s, m, ph), d in zip(work, length)]

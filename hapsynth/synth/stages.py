@@ -15,13 +15,17 @@ stage holding its rank. Parameters rank at their first forward use; a forward op
 with the latest parameter it depends on (pulled to its readers when it reads none);
 a backward op with the latest of: what it reads directly and the parameters whose
 update it reaches (not through a reduction after the batch's work, such as a
-global gradient norm). Ops reading only data inputs and constants rank -1: every stage that
-needs them computes them.
+global gradient norm). Then, at each cut point, ops that may run on either side move to
+the one where the fewest bytes cross (a minimum cut: `_fewest_crossing`). Ops reading
+only data inputs and constants rank -1: every stage that needs them computes them.
 """
 from __future__ import annotations
 
 from bisect import bisect_right
 from dataclasses import dataclass
+
+import numpy as np
+from ortools.graph.python import max_flow
 
 from hapsynth.ir.graph import Graph
 
@@ -220,6 +224,8 @@ def analyse(graph: Graph, layouts, op_inputs, num_state_leaves: int) -> Regions:
             for x in op.inputs:
                 if x in producer and backward[producer[x]]:
                     rank[producer[x]] = max(rank[producer[x]], rank[op.id])
+    rank = _fewest_crossing(graph, rank, forward, backward, params_of, first, down,
+                            sorted({r for r in first.values() if r > 0}), layouts)
     for op in ops:  # post ops
         if region[op.id] != "post":
             continue
@@ -241,6 +247,74 @@ def analyse(graph: Graph, layouts, op_inputs, num_state_leaves: int) -> Regions:
     owner = [max(0, r) for r in owner]
     return Regions(tuple(region), tuple(forward), tuple(rank), tuple(owner), batch,
                    tuple(frozenset(p) for p in params_of))
+
+
+_FIXED = 1 << 50  # "infinite" capacity: above any step's bytes
+
+
+def _fewest_crossing(graph: Graph, rank, forward, backward, params_of, first, down, points,
+                     layouts) -> list[int]:
+    """Ranks moved, op by op, to the side of each cut point where the fewest bytes cross
+    it: a minimum cut per point over the per-example ops (forward values flow to later
+    stages, cotangents to earlier ones). The first ranks place a parameter-free op by
+    one rule (where it is read), which sends two tensors across a block boundary where
+    one would do (a residual and its layer norm's output, rather than the residual
+    alone); the cut keeps ops reading parameters where they are, gradient sums with the
+    parameter they sum for, and moves only what costs nothing to move."""
+    ops = graph.ops
+    movable = [i for i in range(len(ops)) if (forward[i] or backward[i]) and rank[i] >= 0]
+    if not points or not movable:
+        return rank
+    node = {i: k for k, i in enumerate(movable)}
+    readers: dict[int, list[int]] = {}
+    for i in movable:
+        for x in ops[i].inputs:
+            if x is not None:
+                readers.setdefault(x, []).append(node[i])
+    tails, heads, caps = [], [], []
+    nt = len(movable)
+    for i in movable:
+        u = node[i]
+        for t in ops[i].outputs:
+            vs = readers.get(t, ())
+            if not vs:
+                continue
+            b = int(graph.tensors[t].nbytes)
+            if forward[i]:  # crosses when u is early and a reader late; u late: readers late
+                tails += [u, *([nt] * len(vs)), *vs]
+                heads += [nt, *vs, *([u] * len(vs))]
+            else:  # a cotangent: crosses when u is late and a reader early; a reader late: u late
+                tails += [nt, *vs, *([u] * len(vs))]
+                heads += [u, *([nt] * len(vs)), *vs]
+            caps += [b, *([_FIXED] * (2 * len(vs)))]
+            nt += 1
+    tails, heads, caps = (np.asarray(a, np.int64) for a in (tails, heads, caps))
+    source, sink = nt, nt + 1
+    fwd_fixed = [(node[i], rank[i]) for i in movable if forward[i] and params_of[i]]
+    lo = [max([down[i]] + [first.get(p, -1) for p in params_of[i]]) if backward[i] else -1
+          for i in movable]
+    sums = {node[i] for i in movable if backward[i]
+            and any(layouts[t].kind == "P" for t in ops[i].outputs)}
+    late_at = [-1] * len(movable)
+    for c in points:
+        early = [u for u, r in fwd_fixed if r < c] + [u for u in sums if lo[u] < c]
+        late = [u for u, r in fwd_fixed if r >= c] + [u for u in range(len(movable)) if lo[u] >= c]
+        flow = max_flow.SimpleMaxFlow()
+        flow.add_arcs_with_capacity(
+            np.concatenate([tails, np.full(len(early), source), np.asarray(late, np.int64)]),
+            np.concatenate([heads, np.asarray(early, np.int64), np.full(len(late), sink)]),
+            np.concatenate([caps, np.full(len(early) + len(late), _FIXED)]))
+        if flow.solve(source, sink) != flow.OPTIMAL:
+            return rank
+        for u in flow.get_sink_side_min_cut():
+            if u < len(movable):
+                late_at[u] = c
+    out = list(rank)
+    for i in movable:
+        new = max(late_at[node[i]], 0)
+        if bisect_right(points, new) != bisect_right(points, rank[i]):
+            out[i] = new
+    return out
 
 
 def _size(graph: Graph, t: int) -> int:
