@@ -55,7 +55,7 @@ class WorkRepeat:
 
     def wrap(self, branch, entry, extra, index=None):
         """`branch`, then its repeats on the devices whose count exceeds one (`index`: the
-        device's place in the mesh, when the mesh is not the 1-D one)."""
+        device's number in the program's devices, when the mesh is not the 1-D one)."""
         flag, counts = extra
         count = counts[lax.axis_index(AXIS) if index is None else index]
 

@@ -259,6 +259,43 @@ def test_pipelined_scan_over_layers_equals_one_device(layout):
         assert any(len(set(st["rows"])) > 1 for st in plan.stages)
 
 
+def test_a_branch_hook_knows_each_device_by_its_number():
+    """A measurement hook slows devices by their number in the cluster; the (stage,
+    data) mesh orders them by stage, so with the second island's devices as the first
+    stage the mesh place and the device number differ: the hook must get the number."""
+    from dataclasses import replace
+
+    from hapsynth.lower.devices import local_devices
+    from hapsynth.lower.pipeline import Pipelined
+
+    step, args = get("mlp", "tiny")
+    cluster = two_islands()
+    par = hs.parallelize(step, cluster=cluster, pipeline=True, time_limit=1)
+    plan = par.plan(*args)
+    a, b = plan.stages
+    swapped = replace(plan, stages=[{**a, "devices": b["devices"]}, {**b, "devices": a["devices"]}])
+    seen = set()
+
+    class Where:
+        def inputs(self, mesh):
+            return ()
+
+        def wrap(self, branch, entry, extra, index=None):
+            def wrapped(*ops):
+                jax.debug.callback(lambda i, s, d: seen.add((int(i), int(s), int(d))),
+                                   index, jax.lax.axis_index("stage"), jax.lax.axis_index("data"))
+                return branch(*ops)
+            return wrapped
+
+    low = Pipelined(par._programs[next(iter(par._programs))], swapped, local_devices(cluster),
+                    branch_hook=Where())
+    from test_lowering import compare
+    compare(hs.gather(low(*args)), jax.jit(step)(*args), rtol=2e-3)
+    assert {(s, d) for _, s, d in seen} == {(s, d) for s in range(2) for d in range(4)}
+    assert all(i == swapped.stages[s]["devices"][d] for i, s, d in seen)
+    assert any(i != s * 4 + d for i, s, d in seen)
+
+
 def test_pipelined_state_round_trips_through_gather():
     """State fed back as `Staged` leaves, gathered, or given as arrays: the same step;
     `shard` then `gather` gives back exactly what was given."""

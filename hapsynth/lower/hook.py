@@ -17,7 +17,8 @@ lowering knowing about benchmarks. `Lowered(prog, plan, devices, branch_hook=hoo
   - `extra` is the tuple of traced extra inputs (whole values, the same on every device;
     the hook may index them with `lax.axis_index(hapsynth.lower.values.AXIS)`);
   - a pipelined program (`lower/pipeline.py`, a (stage, data) mesh) also passes
-    `index=`, the device's place in `mesh.devices.flat` (traced).
+    `index=`, the device's number in the program's `devices` (traced; the mesh orders
+    devices by stage, in the plan's order of the islands).
   `wrap` runs while tracing, outside the `lax.switch`; what it returns is called with the
   same operands and must return the same structure as `branch`.
 """

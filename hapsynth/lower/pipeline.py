@@ -259,7 +259,9 @@ class Pipelined:
         sidx = lax.axis_index(STAGE)
         didx = lax.axis_index(DATA)
         group = jnp.asarray(self.group_of)[sidx, didx]
-        self._index = sidx * self.D + didx  # the device's place in the mesh, for a hook
+        # the device's number in `devices` (as the cluster counts it), for a hook: the
+        # mesh puts stages in the plan's order, which need not be the devices' order
+        self._index = jnp.asarray([st["devices"] for st in self.plan.stages])[sidx, didx]
 
         # 1. copies of parameters a stage reads but another stores
         wants: dict = {}
