@@ -5,8 +5,11 @@ dtype and device (global `[stages, pad]`, spec `P("stage", None)`), so a device 
 only its stage. The step is a static table of ticks (`synth.pipeline.ticks`); at each
 tick every device runs its stage's work in a `lax.switch` on its group (stage and row
 count: a stage mixing classes holds uneven rows), then values cross stages by `ppermute`
-outside the switch. A branch packs what it keeps or sends into flat buffers, padded to
-the largest branch. Per microbatch a stage runs its forward ops (or its backward ops)
+outside the switch. A branch packs what it sends into flat buffers, padded to the
+largest branch; what a forward keeps for its backward it writes in place into one of a
+pool of buffers that every step receives and returns (donated), reused once the
+backwards reading it have run, which a device whose stage keeps nothing that tick passes
+through (zero padding made per tick was most of what a pipeline cost beyond its work). Per microbatch a stage runs its forward ops (or its backward ops)
 at its rows, keeps what its backward reads, and adds its partial sums (gradients,
 loss) into accumulators; after the last tick these are summed over the stage's devices
 (`psum` on "data") and the stages run their remaining ops once (the optimizer), in
@@ -85,17 +88,20 @@ class Pipelined:
         self.state_sizes = bundle(self.state_packing)
         self.state_order = tuple(self.state_sizes)
         n_data = len(prog.inputs) - self.nstate
-        in_specs = (tuple(PS(STAGE, None) for _ in self.state_order)
+        ns, nk = len(self.state_order), self.keep_buffers * len(self.keep_sizes)
+        own = PS((STAGE, DATA))  # a buffer of each device's own
+        in_specs = (tuple(PS(STAGE, None) for _ in self.state_order) + (own,) * nk
                     + tuple(PS() for _ in range(n_data)))
         if branch_hook is not None:
             in_specs += tuple(PS() for _ in branch_hook.inputs(self.mesh))
-        out_specs = (tuple(PS(STAGE, None) for _ in self.state_order)
+        out_specs = (tuple(PS(STAGE, None) for _ in self.state_order) + (own,) * nk
                      + tuple(PS() for _ in prog.outputs[self.nstate:]))
+        self._scratch = None
         self._fn = jax.jit(jax.shard_map(self._body, mesh=self.mesh, in_specs=in_specs,
                                          out_specs=out_specs, check_vma=False),
                            # the state's buffers hold every leaf: given up only when all are
-                           donate_argnums=tuple(range(len(self.state_order)))
-                           if self.nstate and set(range(self.leaves)) <= set(donate) else ())
+                           donate_argnums=tuple(range(0 if self.nstate and set(
+                               range(self.leaves)) <= set(donate) else ns, ns + nk)))
 
     # -- the static plan of the program ------------------------------------------------
     def _static(self):
@@ -142,6 +148,13 @@ class Pipelined:
                                for t in prog.eqns[i].outputs
                                if self.plan.tensor_layouts[t].kind == "P" and t in later})
                     for s in range(self.S)}
+        # what a stage's forward keeps, in buffers of one size for every stage: a tick
+        # writes into a buffer whose last reader has run (a pool, `_body`), so a device
+        # whose stage keeps nothing that tick passes it through untouched
+        self.keep_packing = {s: Packing([(t, self._padded(t, s), prog.avals[t].dtype)
+                                         for t in self.keeps[s]]) for s in range(self.S)}
+        self.keep_sizes = bundle(self.keep_packing.values())
+        self.keep_buffers = self._keep_pool()
         self.acc_packing = [Packing([(t, prog.avals[t].shape, prog.avals[t].dtype)
                                      for t in self.acc[s]]) for s in range(self.S)]
         self.acc_sizes = bundle(self.acc_packing)
@@ -155,6 +168,28 @@ class Pipelined:
         for s, outs in enumerate(self._output_needs()):
             needs[s] |= outs
         self.copies = [sorted(p for p in needs[s] if self.owner[p] != s) for s in range(self.S)]
+
+    def _keep_pool(self) -> int:
+        """How many keep buffers the tick table holds at once (`_body` reuses a buffer
+        once every backward reading it has run). They persist between steps, as a
+        donated input and output of each device's own, so no step fills them with zeros."""
+        free, made, readers = 0, 0, {}
+        table = self.plan.pipeline["table"]
+        for tick in sorted({row[0] for row in table}):
+            acts = {row[1]: (row[2], row[3]) for row in table if row[0] == tick}
+            keeping = {(s, m) for s, (m, ph) in acts.items() if ph == "F" and self.keeps[s]}
+            if keeping:
+                if free:
+                    free -= 1
+                else:
+                    made += 1
+                readers[tick] = keeping
+            for s, (m, ph) in acts.items():
+                for t, left in readers.items():
+                    if ph == "B" and (s, m) in left:
+                        left.discard((s, m))
+                        free += not left
+        return made
 
     def _output_needs(self):
         """Outputs made from state alone (a state input, or by pre ops): a state output on
@@ -248,6 +283,9 @@ class Pipelined:
         prog, S = self.prog, self.S
         ns = len(self.state_order)
         state = tuple(b[0] for b in flat[:ns])
+        nk = len(self.keep_sizes)
+        scratch = [tuple(flat[ns + i * nk:ns + (i + 1) * nk]) for i in range(self.keep_buffers)]
+        ns += self.keep_buffers * nk
         n_data = len(prog.inputs) - self.nstate
         data = dict(zip(prog.inputs[self.nstate:], flat[ns:ns + n_data]))
         self._extra = tuple(flat[ns + n_data:])
@@ -279,13 +317,15 @@ class Pipelined:
         acc_order = tuple(self.acc_sizes)
         kept: dict = {}     # (stage, micro) -> Ref of what F kept for B
         inbox: dict = {}    # (stage, phase, micro) -> [Ref]
+        free: list = []     # keep buffers no B reads any more
+        readers: dict = {}  # id of a keep buffer -> the (stage, micro) still to read it
+        keep_sizes = self.keep_sizes
         table = self.plan.pipeline["table"]
         unpacked = None
         for tick in sorted({row[0] for row in table}):
             acts = {row[1]: (row[2], row[3]) for row in table if row[0] == tick}
-            keep_p = {s: Packing([(t, self._padded(t, s), prog.avals[t].dtype)
-                                  for t in self.keeps[s]]) for s, (m, ph) in acts.items() if ph == "F"}
-            keep_sizes = bundle(keep_p.values())
+            keep_p = {s: self.keep_packing[s] for s, (m, ph) in acts.items()
+                      if ph == "F" and self.keeps[s]}
             items: dict = {}
             for s, (m, ph) in acts.items():
                 for (b, phb), xs in sorted(self.sends.get((s, ph), {}).items()):
@@ -304,6 +344,10 @@ class Pipelined:
                     take(("kept", s), kept[(s, m)])
                 for k, ref in enumerate(inbox.get((s, ph, m), [])):
                     take(("in", s, k), ref)
+            if keep_p:
+                keep_in = free.pop() if free else scratch.pop()
+                slots["keep"] = (len(operands), len(keep_in))
+                operands.extend(keep_in)
             base = len(operands)
             operands += list(acc)
             if unpacked is None:  # each stage's parameters as arrays, once per step
@@ -321,11 +365,20 @@ class Pipelined:
             k = 0
             acc = tuple(outs[k:k + len(acc_order)])
             k += len(acc_order)
-            kept_bufs = tuple(outs[k:k + len(keep_sizes)])
-            k += len(keep_sizes)
-            for s, (m, ph) in acts.items():
-                if ph == "F" and s in keep_p:
-                    kept[(s, m)] = Ref(kept_bufs, tuple(keep_sizes), keep_p[s])
+            if keep_p:
+                kept_bufs = tuple(outs[k:k + len(keep_sizes)])
+                k += len(keep_sizes)
+                readers[id(kept_bufs)] = set()
+                for s, (m, ph) in acts.items():
+                    if s in keep_p:
+                        kept[(s, m)] = Ref(kept_bufs, tuple(keep_sizes), keep_p[s])
+                        readers[id(kept_bufs)].add((s, m))
+            for s, (m, ph) in acts.items():  # what a backward read is free again
+                if ph == "B" and (s, m) in kept:
+                    bufs = kept.pop((s, m)).bufs
+                    readers[id(bufs)].discard((s, m))
+                    if not readers[id(bufs)]:
+                        free.append(bufs)
             for d in sorted(send_p):
                 n = len(send_sizes[d])
                 bufs = tuple(outs[k:k + n])
@@ -346,7 +399,11 @@ class Pipelined:
         ctx = {"state": list(state), "copies": [[list(r.bufs) for r in copies.get(s, [])]
                                                 for s in range(S)],
                "data": [data[t] for t in self.data]}
-        return self._finish(sidx, ctx, copies, acc, acc_order, raw)
+        out = self._finish(sidx, ctx, copies, acc, acc_order, raw)
+        pool = free + scratch  # every keep buffer, read by its last backward: for next step
+        assert len(pool) == self.keep_buffers
+        return (*out[:len(self.state_order)], *[b for bufs in pool for b in bufs],
+                *out[len(self.state_order):])
 
     def _hooked(self, f, entry):
         return f if self.hook is None else self.hook.wrap(f, entry, self._extra,
@@ -384,7 +441,10 @@ class Pipelined:
         def branch(*ops):
             acc = list(ops[base:base + len(acc_order)])
             dvals = {t: data[t] for t in self.data}
-            outs_keep = tuple(jnp.zeros((n,), k) for k, n in keep_sizes.items())
+            outs_keep = ()
+            if "keep" in slots:  # passed through where this stage keeps nothing now
+                a, n = slots["keep"]
+                outs_keep = tuple(ops[a:a + n])
             outs_send = {d: tuple(jnp.zeros((n,), k) for k, n in sz.items())
                          for d, sz in send_sizes.items()}
             if act is None:
@@ -413,10 +473,9 @@ class Pipelined:
                     size = int(np.prod(shape, dtype=np.int64))
                     acc[j] = acc[j].at[off:off + size].add(jnp.ravel(env[t]).astype(k))
             if ph == "F" and s in keep_p:
-                outs_keep = keep_p[s].pack({t: pad_to(env[t] if t in env else known[t],
-                                                       self.plan.tensor_layouts[t],
-                                                       self._padded(t, s))
-                                            for t in self.keeps[s]}, keep_sizes)
+                outs_keep = keep_p[s].pack_into(outs_keep, tuple(keep_sizes), {
+                    t: pad_to(env[t] if t in env else known[t], self.plan.tensor_layouts[t],
+                              self._padded(t, s)) for t in self.keeps[s]})
             for d, ps in send_p.items():
                 if s in ps:
                     outs_send[d] = ps[s].pack({key: pad_to(env[key[2]],
@@ -546,9 +605,13 @@ class Pipelined:
                 keys = [list(a) for a in avail]
             if k == final:
                 break
-            # this round's ops, per stage, in a switch: new values packed per stage
-            made = {s: [t for i in self.post[s] if level[i] == k for t in prog.eqns[i].outputs]
-                    for s in range(S)}
+            # this round's ops, per stage, in a switch: the new values read after it (by a
+            # later round or as outputs) packed per stage
+            later = {x for j in range(S) for i in self.post[j] if level[i] > k
+                     for x in prog.eqns[i].inputs if isinstance(x, int)} | {
+                o for o in outs if isinstance(o, int)}
+            made = {s: [t for i in self.post[s] if level[i] == k for t in prog.eqns[i].outputs
+                        if t in later] for s in range(S)}
             packs = [Packing([(t, prog.avals[t].shape, prog.avals[t].dtype) for t in made[s]])
                      for s in range(S)]
             sizes = bundle(packs)
@@ -707,11 +770,18 @@ class Pipelined:
         rep = NamedSharding(self.mesh, PS())
         data = [jax.device_put(jnp.asarray(x), rep) for x in leaves[self.nstate:]]
         extra = self.hook.inputs(self.mesh) if self.hook is not None else ()
-        outs = self._fn(*state, *data, *extra)
+        if self._scratch is None:
+            own = NamedSharding(self.mesh, PS((STAGE, DATA)))
+            self._scratch = [jax.device_put(np.zeros((self.mesh.devices.size * n,), k), own)
+                             for _ in range(self.keep_buffers) for k, n in self.keep_sizes.items()]
+        outs = self._fn(*state, *self._scratch, *data, *extra)
         if self.mesh.devices.flat[0].platform == "cpu":
             jax.block_until_ready(outs)
-        bufs = dict(zip(self.state_order, outs[:len(self.state_order)]))
-        wrapped = self._state(self._wrap(bufs)) + list(outs[len(self.state_order):])
+        ns, nk = len(self.state_order), len(self._scratch)
+        self._scratch = list(outs[ns:ns + nk])
+        outs = outs[:ns] + outs[ns + nk:]
+        bufs = dict(zip(self.state_order, outs[:ns]))
+        wrapped = self._state(self._wrap(bufs)) + list(outs[ns:])
         return jax.tree.unflatten(self.prog.out_tree, wrapped)
 
     def __call__(self, *args):
