@@ -107,6 +107,22 @@ def test_schedule_table_keeps_every_dependency():
                     assert t > at[(s + 1, m, "B")]
 
 
+def test_keep_buffers_are_reused_once_their_backwards_ran():
+    """The lowering's pool of keep buffers, counted over a tick table: under 1F1B a
+    buffer is written again after its backwards (fewer buffers than forward ticks);
+    under GPipe every forward's is live until the backwards start."""
+    from types import SimpleNamespace
+
+    from hapsynth.lower.pipeline import Pipelined
+    for kind, reuse in (("1f1b", True), ("gpipe", False)):
+        rows = ticks(schedule(kind, [1.0, 2.0, 1.5], [2.0, 4.0, 3.0], 6, [0.5, 0.2], [0.5, 0.2]))
+        fake = SimpleNamespace(plan=SimpleNamespace(pipeline={"table": rows}),
+                               keeps={0: [1], 1: [2], 2: []})
+        pool = Pipelined._keep_pool(fake)
+        forwards = {t for t, s, _, ph in rows if ph == "F" and s < 2}
+        assert (pool < len(forwards)) == reuse and pool >= 1
+
+
 def test_readers_of_a_slow_transfer_may_sit_ticks_later():
     """A tick table whose readers across the boundary wait extra ticks (as `lockstep`
     tries for slow links) keeps every dependency, and the program running it still
@@ -189,10 +205,18 @@ def _three_steps(step, args, cluster, rtol=2e-3):
     plan = par.plan(*args)
     ref = jax.jit(step)
     got = want = args
+    low = par.lowered(*args)
     for _ in range(3):
+        before = list(low._scratch or ())
         want = ref(*want[:k], *args[k:])
         got = par(*got[:k], *args[k:])
         compare(hs.gather(got), want, rtol=rtol)
+        # what forwards keep sits in a pool of buffers kept between steps (donated, so
+        # no step fills them with zeros), each written again once its backwards ran
+        assert all(x.is_deleted() for x in before)
+        assert len(low._scratch) == low.keep_buffers * len(low.keep_sizes)
+    keeping = {row[0] for row in plan.pipeline["table"] if row[3] == "F" and low.keeps[row[1]]}
+    assert 0 < low.keep_buffers <= len(keeping)
     assert all(isinstance(x, hs.Staged) for x in jax.tree.leaves(
         got[:k], is_leaf=lambda v: isinstance(v, hs.Staged)))
     # an activation read by both phases of a later stage crosses once (kept there)
@@ -257,29 +281,6 @@ def test_pipelined_scan_over_layers_equals_one_device(layout):
         layer_stages = {s for x in rows for s in x.stages}
         assert len(layer_stages) >= 2  # the layers spread over stages, not held by one
         assert any(len(set(st["rows"])) > 1 for st in plan.stages)
-
-
-def test_what_a_forward_keeps_sits_in_reused_buffers():
-    """What a stage's forward keeps for its backward goes into a pool of buffers: one is
-    written again once every backward reading it has run, and the pool persists between
-    steps (donated: no step fills it with zeros), the results still exact."""
-    step, args = get("mlp", "tiny")
-    par = hs.parallelize(step, cluster=two_islands(), pipeline=True, time_limit=1)
-    plan = par.plan(*args)
-    low = par.lowered(*args)
-    keeping = [row for row in plan.pipeline["table"] if row[3] == "F" and low.keeps[row[1]]]
-    ticks = {row[0] for row in keeping}
-    assert 0 < low.keep_buffers < len(ticks)
-    ref = jax.jit(step)
-    got = want = args
-    for _ in range(2):
-        before = list(low._scratch or ())
-        got = par(*got[:2], *args[2:])
-        want = ref(*want[:2], *args[2:])
-        assert all(x.is_deleted() for x in before)
-        assert len(low._scratch) == low.keep_buffers * len(low.keep_sizes)
-    from test_lowering import compare
-    compare(hs.gather(got), want, rtol=2e-3)
 
 
 def test_a_branch_hook_knows_each_device_by_its_number():
