@@ -283,6 +283,7 @@ def test_pipelined_scan_over_layers_equals_one_device(layout):
         assert any(len(set(st["rows"])) > 1 for st in plan.stages)
 
 
+@pytest.mark.slow  # the harness's knob (~13 s): `hapsynth bench pipeline` relies on it
 def test_a_branch_hook_knows_each_device_by_its_number():
     """A measurement hook slows devices by their number in the cluster; the (stage,
     data) mesh orders them by stage, so with the second island's devices as the first
