@@ -154,7 +154,8 @@ class Pipelined:
         self.keep_packing = {s: Packing([(t, self._padded(t, s), prog.avals[t].dtype)
                                          for t in self.keeps[s]]) for s in range(self.S)}
         self.keep_sizes = bundle(self.keep_packing.values())
-        self.keep_buffers = self._keep_pool()
+        self.keep_slot = self._keep_pool()
+        self.keep_buffers = len(set(self.keep_slot.values()))
         self.acc_packing = [Packing([(t, prog.avals[t].shape, prog.avals[t].dtype)
                                      for t in self.acc[s]]) for s in range(self.S)]
         self.acc_sizes = bundle(self.acc_packing)
@@ -169,27 +170,26 @@ class Pipelined:
             needs[s] |= outs
         self.copies = [sorted(p for p in needs[s] if self.owner[p] != s) for s in range(self.S)]
 
-    def _keep_pool(self) -> int:
-        """How many keep buffers the tick table holds at once (`_body` reuses a buffer
-        once every backward reading it has run). They persist between steps, as a
-        donated input and output of each device's own, so no step fills them with zeros."""
-        free, made, readers = 0, 0, {}
+    def _keep_pool(self) -> dict:
+        """Per tick whose forwards keep something, the pool buffer it writes: one whose
+        every reading backward has run, else a new one. The buffers persist between
+        steps, as a donated input and output of each device's own, so no step fills them
+        with zeros."""
+        free, slot, readers = [], {}, {}
         table = self.plan.pipeline["table"]
         for tick in sorted({row[0] for row in table}):
             acts = {row[1]: (row[2], row[3]) for row in table if row[0] == tick}
             keeping = {(s, m) for s, (m, ph) in acts.items() if ph == "F" and self.keeps[s]}
             if keeping:
-                if free:
-                    free -= 1
-                else:
-                    made += 1
-                readers[tick] = keeping
+                slot[tick] = free.pop() if free else len(readers)
+                readers[slot[tick]] = keeping
             for s, (m, ph) in acts.items():
-                for t, left in readers.items():
+                for k, left in readers.items():
                     if ph == "B" and (s, m) in left:
                         left.discard((s, m))
-                        free += not left
-        return made
+                        if not left:
+                            free.append(k)
+        return slot
 
     def _output_needs(self):
         """Outputs made from state alone (a state input, or by pre ops): a state output on
@@ -284,7 +284,7 @@ class Pipelined:
         ns = len(self.state_order)
         state = tuple(b[0] for b in flat[:ns])
         nk = len(self.keep_sizes)
-        scratch = [tuple(flat[ns + i * nk:ns + (i + 1) * nk]) for i in range(self.keep_buffers)]
+        pool = [tuple(flat[ns + i * nk:ns + (i + 1) * nk]) for i in range(self.keep_buffers)]
         ns += self.keep_buffers * nk
         n_data = len(prog.inputs) - self.nstate
         data = dict(zip(prog.inputs[self.nstate:], flat[ns:ns + n_data]))
@@ -317,8 +317,6 @@ class Pipelined:
         acc_order = tuple(self.acc_sizes)
         kept: dict = {}     # (stage, micro) -> Ref of what F kept for B
         inbox: dict = {}    # (stage, phase, micro) -> [Ref]
-        free: list = []     # keep buffers no B reads any more
-        readers: dict = {}  # id of a keep buffer -> the (stage, micro) still to read it
         keep_sizes = self.keep_sizes
         table = self.plan.pipeline["table"]
         unpacked = None
@@ -345,7 +343,7 @@ class Pipelined:
                 for k, ref in enumerate(inbox.get((s, ph, m), [])):
                     take(("in", s, k), ref)
             if keep_p:
-                keep_in = free.pop() if free else scratch.pop()
+                keep_in = pool[self.keep_slot[tick]]
                 slots["keep"] = (len(operands), len(keep_in))
                 operands.extend(keep_in)
             base = len(operands)
@@ -368,17 +366,9 @@ class Pipelined:
             if keep_p:
                 kept_bufs = tuple(outs[k:k + len(keep_sizes)])
                 k += len(keep_sizes)
-                readers[id(kept_bufs)] = set()
-                for s, (m, ph) in acts.items():
-                    if s in keep_p:
-                        kept[(s, m)] = Ref(kept_bufs, tuple(keep_sizes), keep_p[s])
-                        readers[id(kept_bufs)].add((s, m))
-            for s, (m, ph) in acts.items():  # what a backward read is free again
-                if ph == "B" and (s, m) in kept:
-                    bufs = kept.pop((s, m)).bufs
-                    readers[id(bufs)].discard((s, m))
-                    if not readers[id(bufs)]:
-                        free.append(bufs)
+                pool[self.keep_slot[tick]] = kept_bufs
+                for s in keep_p:
+                    kept[(s, acts[s][0])] = Ref(kept_bufs, tuple(keep_sizes), keep_p[s])
             for d in sorted(send_p):
                 n = len(send_sizes[d])
                 bufs = tuple(outs[k:k + n])
@@ -400,8 +390,7 @@ class Pipelined:
                                                 for s in range(S)],
                "data": [data[t] for t in self.data]}
         out = self._finish(sidx, ctx, copies, acc, acc_order, raw)
-        pool = free + scratch  # every keep buffer, read by its last backward: for next step
-        assert len(pool) == self.keep_buffers
+        # the keep buffers as the last tick left them, for the next step
         return (*out[:len(self.state_order)], *[b for bufs in pool for b in bufs],
                 *out[len(self.state_order):])
 
