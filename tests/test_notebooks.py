@@ -31,8 +31,9 @@ def test_every_notebook_is_known_and_committed_without_outputs():
         assert "widgets" not in nb.metadata, f"{path.name} keeps widget state"
 
 
-#: the measuring notebook times real runs (a minute on 2 cores): it runs with the slow set
-HEAVY = {"measure"}
+#: the measuring notebook times real runs (a minute on 2 cores), the clusters one plans
+#: several presets (~20 s): they run with the slow set
+HEAVY = {"measure", "clusters"}
 
 
 @pytest.mark.notebook
