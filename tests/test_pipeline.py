@@ -111,16 +111,56 @@ def test_keep_buffers_are_reused_once_their_backwards_ran():
     """The lowering's pool of keep buffers, counted over a tick table: under 1F1B a
     buffer is written again after its backwards (fewer buffers than forward ticks);
     under GPipe every forward's is live until the backwards start."""
-    from types import SimpleNamespace
-
-    from hapsynth.lower.pipeline import Pipelined
+    from hapsynth.lower.ticks import keep_pool
     for kind, reuse in (("1f1b", True), ("gpipe", False)):
         rows = ticks(schedule(kind, [1.0, 2.0, 1.5], [2.0, 4.0, 3.0], 6, [0.5, 0.2], [0.5, 0.2]))
-        fake = SimpleNamespace(plan=SimpleNamespace(pipeline={"table": rows}),
-                               keeps={0: [1], 1: [2], 2: []})
-        pool = len(set(Pipelined._keep_pool(fake).values()))
+        pool = len(set(keep_pool(rows, [True, True, False]).values()))
         forwards = {t for t, s, _, ph in rows if ph == "F" and s < 2}
         assert (pool < len(forwards)) == reuse and pool >= 1
+
+
+@pytest.mark.parametrize("kind", SCHEDULES)
+@pytest.mark.parametrize("lag", [{}, {("F", 0): 2, ("B", 1): 3}])
+def test_tick_tables_deliver_every_message_and_keep(kind, lag):
+    """Run the loop's tables as a machine with slots: every backward reads the keep
+    buffer its own forward wrote, and every reader finds in its mailbox slot the
+    message it waits for (none overwritten first), with fewer slots than messages."""
+    from hapsynth.lower.ticks import B, F, IDLE, tick_tables
+    sch = schedule(kind, [1.0, 2.0, 1.5], [2.0, 4.0, 3.0], 6, [0.5, 0.2], [0.5, 0.2])
+    rows = ticks(sch, lag)
+    # forwards send on to the next stage's forward and to its backward (a skip); backwards
+    # send back to the previous stage's backward; stage 2 keeps nothing
+    chans = {(1, "F"): {0: ["F", "B"], 1: ["F"]}, (-1, "B"): {1: ["B"], 2: ["B"]}}
+    tb = tick_tables(rows, 3, [True, True, False], chans)
+    assert tb.ticks == len({r[0] for r in rows})
+    pool = np.full((tb.keep_slots + 1, 3), -1)  # (+ 1: writing at "none" would show)
+    mail = {c: np.full((tb.mail_slots[c] + 1, 3, 2), -1) for c in chans}
+    sent = 0
+    for i in range(tb.ticks):
+        for s in range(3):
+            ph, m = tb.phase[i, s], tb.micro[i, s]
+            if ph == B and s < 2:
+                assert pool[tb.keep_in[i, s], s] == m
+            for (d, pha), senders in chans.items():
+                a = s - d
+                if ph != IDLE and "FB"[ph - 1] in senders.get(a, []):
+                    assert tuple(mail[(d, pha)][tb.mail_in[(d, pha)][i, s], s]) == (a, m)
+        for s in range(3):
+            ph, m = tb.phase[i, s], tb.micro[i, s]
+            if ph == F and s < 2:
+                assert tb.keep_out[i, s] < tb.keep_slots
+                pool[tb.keep_out[i, s], s] = m
+            else:
+                assert tb.keep_out[i, s] == tb.keep_slots  # none
+            for (d, pha), senders in chans.items():
+                if ph != IDLE and "FB"[ph - 1] == pha and s in senders:
+                    assert tb.mail_out[(d, pha)][i, s + d] < tb.mail_slots[(d, pha)]
+                    mail[(d, pha)][tb.mail_out[(d, pha)][i, s + d], s + d] = (s, m)
+                    sent += 1
+    assert sum(tb.mail_slots.values()) < sent
+    for c in chans:  # a receiver stores nothing at ticks its sender sent it nothing
+        assert (tb.mail_out[c] < tb.mail_slots[c]).sum() == sum(
+            1 for t, s, m, ph in rows if ph == c[1] and s in chans[c])
 
 
 def test_readers_of_a_slow_transfer_may_sit_ticks_later():
@@ -145,6 +185,61 @@ def test_readers_of_a_slow_transfer_may_sit_ticks_later():
     again = replace(plan, pipeline={**p, "table": [list(r) for r in lagged]})
     par = hs.parallelize(step, cluster=two_islands(), plan=again)
     compare(hs.gather(par(*args)), jax.jit(step)(*args), rtol=2e-3)
+
+
+def _program_text(par, args) -> str:
+    """The StableHLO of the pipelined program `par` runs on `args`."""
+    low = par.lowered(*args)
+    fn, seen = low._fn, {}
+
+    def spy(*xs):
+        seen["args"] = xs
+        return fn(*xs)
+    low._fn = spy
+    try:
+        par(*args)
+    finally:
+        low._fn = fn
+    return fn.lower(*seen["args"]).as_text()
+
+
+def test_the_program_does_not_grow_with_its_ticks():
+    """The ticks run in one loop whose body is the same every tick: a table with more
+    ticks (readers of each transfer waiting longer) gives a program of the same size."""
+    from dataclasses import replace
+
+    from hapsynth.synth.pipeschedule import PipeSchedule, Slot
+    step, args = get("mlp", "tiny")
+    plan = hs.parallelize(step, cluster=two_islands(), pipeline=True, time_limit=1).plan(*args)
+    p = plan.pipeline
+    sch = PipeSchedule(p["schedule"], 2, p["micros"], tuple(Slot(*x) for x in p["slots"]),
+                       p["makespan"], (1, 1))
+    longer = ticks(sch, {("F", 0): 6, ("B", 0): 7})
+    assert max(r[0] for r in longer) > max(r[0] for r in p["table"])
+    texts = [_program_text(hs.parallelize(step, cluster=two_islands(), plan=q), args) for q in (
+        plan, replace(plan, pipeline={**p, "table": [list(r) for r in longer]}))]
+    for op in ("stablehlo.while", "stablehlo.case"):
+        assert texts[0].count(op) == texts[1].count(op) > 0, op
+    assert abs(len(texts[1]) - len(texts[0])) < 0.02 * len(texts[0])
+
+
+def test_only_the_stages_sending_cross_a_link():
+    """Per tick and shift, the program's `ppermute` pairs are the stages sending then (a
+    tick where none does moves nothing: no zeros cross a slow link)."""
+    step, args = get("mlp", "tiny")
+    par = hs.parallelize(step, cluster=two_islands(), pipeline=True, time_limit=1)
+    low = par.lowered(*args)
+    table = par.plan(*args).pipeline["table"]
+    order = sorted({r[0] for r in table})
+    seen_empty = False
+    for d in sorted(low.wire_sizes):
+        index, patterns = low._senders(d)
+        for i, t in enumerate(order):
+            want = sorted((s, s + d) for tt, s, m, ph in table if tt == t
+                          and s in low.chan_pack.get((d, ph), {}))
+            assert list(patterns[index[i]]) == want
+            seen_empty |= not want
+    assert seen_empty  # e.g. the first tick: no cotangent comes back yet
 
 
 def test_islands_are_cut_into_equal_stages():
@@ -214,7 +309,9 @@ def _three_steps(step, args, cluster, rtol=2e-3):
         # what forwards keep sits in a pool of buffers kept between steps (donated, so
         # no step fills them with zeros), each written again once its backwards ran
         assert all(x.is_deleted() for x in before)
-        assert len(low._scratch) == low.keep_buffers * len(low.keep_sizes)
+        assert len(low._scratch) == len(low.keep_sizes)  # per dtype: each device's slots
+        assert all(x.shape[0] == low.mesh.devices.size * low.keep_buffers
+                   for x in low._scratch)
     keeping = {row[0] for row in plan.pipeline["table"] if row[3] == "F" and low.keeps[row[1]]}
     assert 0 < low.keep_buffers <= len(keeping)
     assert all(isinstance(x, hs.Staged) for x in jax.tree.leaves(

@@ -33,15 +33,6 @@ class Packing:
             out.append(jnp.pad(flat, (0, n - flat.shape[0])))
         return tuple(out)
 
-    def pack_into(self, bufs: tuple, order, values: dict) -> tuple:
-        """`values` written over their slots of `bufs` (dtype order `order`), the rest as
-        it was: in place where XLA can, with no padding made."""
-        out = dict(zip(order, bufs))
-        for key, (k, off, shape) in self.slots.items():
-            v = jnp.ravel(values[key]).astype(k)
-            out[k] = lax.dynamic_update_slice_in_dim(out[k], v, off, axis=0)
-        return tuple(out[k] for k in order)
-
     def unpack(self, bufs: tuple, order) -> dict:
         where = dict(zip(order, bufs))
         return {key: where[k][off:off + int(np.prod(shape, dtype=np.int64))].reshape(shape)

@@ -2,22 +2,27 @@
 
 The technique the design validated: each stage's state sits in one flat buffer per
 dtype and device (global `[stages, pad]`, spec `P("stage", None)`), so a device stores
-only its stage. The step is a static table of ticks (`synth.pipeline.ticks`); at each
-tick every device runs its stage's work in a `lax.switch` on its group (stage and row
-count: a stage mixing classes holds uneven rows), then values cross stages by `ppermute`
-outside the switch. A branch packs what it sends into flat buffers, padded to the
-largest branch; what a forward keeps for its backward it writes in place into one of a
-pool of buffers that every step receives and returns (donated), reused once the
-backwards reading it have run, which a device whose stage keeps nothing that tick passes
-through (zero padding made per tick was most of what a pipeline cost beyond its work). Per microbatch a stage runs its forward ops (or its backward ops)
-at its rows, keeps what its backward reads, and adds its partial sums (gradients,
-loss) into accumulators; after the last tick these are summed over the stage's devices
-(`psum` on "data") and the stages run their remaining ops once (the optimizer), in
-rounds where a value made on one stage is read on another (a global norm, a tied
-embedding's gradient). Ops of no stage (reading only data and constants, or only
-state) are computed where they are read.
+only its stage. The step is a static table of ticks (`synth.pipeline.ticks`), run as
+one `fori_loop` whose body is the same at every tick, so the program does not grow with
+the microbatches; what differs per tick is data (`lower/ticks.py`). At each tick every
+device runs its stage's work in a `lax.switch` on its group (stage and row count: a
+stage mixing classes holds uneven rows) and phase (forward, backward, idle), then
+values cross stages by `ppermute` outside the switch, one wire per shift between
+stages, and wait in the receiver's mailbox (a slot per message in flight) until read.
+What a forward keeps for its backward goes into a pool of slots that every step
+receives and returns (donated), a slot reused once the backward reading it has run.
+Pool and mailboxes enter the switch whole and read-only and are written outside it,
+so XLA copies none of them per tick. Per microbatch a stage runs its forward ops (or
+its backward ops) at its rows and adds its partial sums (gradients, loss) into
+accumulators; after the last tick these are summed over the stage's devices (`psum`
+on "data") and the stages run their remaining ops once (the optimizer), in rounds where
+a value made on one stage is read on another (a global norm, a tied embedding's
+gradient). Ops of no stage (reading only data and constants, or only state) are
+computed where they are read.
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +37,7 @@ from hapsynth.ir.signature import of_program
 from hapsynth.ir.trace import Const, Program
 from hapsynth.lower import cpu
 from hapsynth.lower.packing import Packing, Ref, bundle, pad_to, trim
+from hapsynth.lower.ticks import B, F, tick_tables
 from hapsynth.lower.values import Sharded, Staged, StagedRows, unshard
 from hapsynth.synth.plan import Plan
 from hapsynth.synth.stages import analyse, stage_of
@@ -88,8 +94,8 @@ class Pipelined:
         self.state_sizes = bundle(self.state_packing)
         self.state_order = tuple(self.state_sizes)
         n_data = len(prog.inputs) - self.nstate
-        ns, nk = len(self.state_order), self.keep_buffers * len(self.keep_sizes)
-        own = PS((STAGE, DATA))  # a buffer of each device's own
+        ns, nk = len(self.state_order), len(self.keep_sizes)
+        own = PS((STAGE, DATA), None)  # each device's own pool of keep buffers
         in_specs = (tuple(PS(STAGE, None) for _ in self.state_order) + (own,) * nk
                     + tuple(PS() for _ in range(n_data)))
         if branch_hook is not None:
@@ -154,11 +160,34 @@ class Pipelined:
         self.keep_packing = {s: Packing([(t, self._padded(t, s), prog.avals[t].dtype)
                                          for t in self.keeps[s]]) for s in range(self.S)}
         self.keep_sizes = bundle(self.keep_packing.values())
-        self.keep_slot = self._keep_pool()
-        self.keep_buffers = len(set(self.keep_slot.values()))
-        self.acc_packing = [Packing([(t, prog.avals[t].shape, prog.avals[t].dtype)
-                                     for t in self.acc[s]]) for s in range(self.S)]
-        self.acc_sizes = bundle(self.acc_packing)
+        # what a stage's phase sends per channel (shift to the reader, phase), one packing
+        # per sender; a channel's messages wait in mailboxes until read
+        items: dict = {}
+        for (a, pha), dests in sorted(self.sends.items()):
+            for (b, phb), xs in sorted(dests.items()):
+                items.setdefault((b - a, pha), {}).setdefault(a, []).extend(
+                    ((b, phb, x), self._padded(x, a), prog.avals[x].dtype) for x in sorted(xs))
+        self.chan_pack = {c: {a: Packing(v) for a, v in per.items()} for c, per in items.items()}
+        self.chan_sizes = {c: bundle(ps.values()) for c, ps in self.chan_pack.items()}
+        shifts = sorted({d for d, _ in self.chan_pack})
+        self.wire_sizes = {d: bundle(p for (e, _), ps in self.chan_pack.items() if e == d
+                                     for p in ps.values()) for d in shifts}
+        # a receiver holding other rows than its sender gathers every sender's chunk
+        self.chunked = {d: any(self.rows[a] != self.rows[a + d] for (e, _), ps in
+                               self.chan_pack.items() if e == d for a in ps) for d in shifts}
+        self.tables = tick_tables(
+            self.plan.pipeline["table"], self.S, [bool(self.keeps[s]) for s in range(self.S)],
+            {c: {a: sorted({key[1] for key in p.slots}) for a, p in ps.items()}
+             for c, ps in self.chan_pack.items()})
+        self.keep_buffers = self.tables.keep_slots
+        # accumulated per phase: a forward adds to its sums only (a loss), a backward to
+        # its own (gradients), so neither moves the other's buffer
+        made_in = {t: "F" if r.forward[i] else "B" for i, e in enumerate(prog.eqns)
+                   for t in e.outputs}
+        self.acc_packing = {ph: [Packing([(t, prog.avals[t].shape, prog.avals[t].dtype)
+                                          for t in self.acc[s] if made_in[t] == ph])
+                                 for s in range(self.S)] for ph in "FB"}
+        self.acc_sizes = {ph: bundle(ps) for ph, ps in self.acc_packing.items()}
         # parameters a stage reads but another stores
         needs = [set() for _ in range(self.S)]
         for i, e in enumerate(prog.eqns):
@@ -169,27 +198,6 @@ class Pipelined:
         for s, outs in enumerate(self._output_needs()):
             needs[s] |= outs
         self.copies = [sorted(p for p in needs[s] if self.owner[p] != s) for s in range(self.S)]
-
-    def _keep_pool(self) -> dict:
-        """Per tick whose forwards keep something, the pool buffer it writes: one whose
-        every reading backward has run, else a new one. The buffers persist between
-        steps, as a donated input and output of each device's own, so no step fills them
-        with zeros."""
-        free, slot, readers = [], {}, {}
-        table = self.plan.pipeline["table"]
-        for tick in sorted({row[0] for row in table}):
-            acts = {row[1]: (row[2], row[3]) for row in table if row[0] == tick}
-            keeping = {(s, m) for s, (m, ph) in acts.items() if ph == "F" and self.keeps[s]}
-            if keeping:
-                slot[tick] = free.pop() if free else len(readers)
-                readers[slot[tick]] = keeping
-            for s, (m, ph) in acts.items():
-                for k, left in readers.items():
-                    if ph == "B" and (s, m) in left:
-                        left.discard((s, m))
-                        if not left:
-                            free.append(k)
-        return slot
 
     def _output_needs(self):
         """Outputs made from state alone (a state input, or by pre ops): a state output on
@@ -283,9 +291,8 @@ class Pipelined:
         prog, S = self.prog, self.S
         ns = len(self.state_order)
         state = tuple(b[0] for b in flat[:ns])
-        nk = len(self.keep_sizes)
-        pool = [tuple(flat[ns + i * nk:ns + (i + 1) * nk]) for i in range(self.keep_buffers)]
-        ns += self.keep_buffers * nk
+        pool = tuple(flat[ns:ns + len(self.keep_sizes)])  # per dtype: [slots + 1, size]
+        ns += len(pool)
         n_data = len(prog.inputs) - self.nstate
         data = dict(zip(prog.inputs[self.nstate:], flat[ns:ns + n_data]))
         self._extra = tuple(flat[ns + n_data:])
@@ -312,87 +319,105 @@ class Pipelined:
                 state, self.state_order).items()})
 
 
-        # 2. the ticks
-        acc = tuple(jnp.zeros((n,), k) for k, n in self.acc_sizes.items())
-        acc_order = tuple(self.acc_sizes)
-        kept: dict = {}     # (stage, micro) -> Ref of what F kept for B
-        inbox: dict = {}    # (stage, phase, micro) -> [Ref]
-        keep_sizes = self.keep_sizes
-        table = self.plan.pipeline["table"]
-        unpacked = None
-        for tick in sorted({row[0] for row in table}):
-            acts = {row[1]: (row[2], row[3]) for row in table if row[0] == tick}
-            keep_p = {s: self.keep_packing[s] for s, (m, ph) in acts.items()
-                      if ph == "F" and self.keeps[s]}
-            items: dict = {}
-            for s, (m, ph) in acts.items():
-                for (b, phb), xs in sorted(self.sends.get((s, ph), {}).items()):
-                    items.setdefault(b - s, {}).setdefault(s, []).extend(
-                        ((b, phb, x), self._padded(x, s), prog.avals[x].dtype) for x in sorted(xs))
-            send_p = {d: {s: Packing(v) for s, v in per.items()} for d, per in items.items()}
-            send_sizes = {d: bundle(ps.values()) for d, ps in send_p.items()}
-            operands, slots = [], {}
+        # 2. the ticks, in a loop: what differs from tick to tick is data (`self.tables`)
+        unpacked = [self._leaves(s, {"state": list(state), "copies": [
+            [list(r.bufs) for r in copies.get(k, [])] for k in range(S)]}, copies)
+            for s in range(S)]
+        tb = self.tables
+        micro = jnp.asarray(tb.micro)
+        keep_in, keep_out = jnp.asarray(tb.keep_in), jnp.asarray(tb.keep_out)
+        chans = sorted(self.chan_pack)
+        mail_in = {c: jnp.asarray(tb.mail_in[c]) for c in chans}
+        mail_out = {c: jnp.asarray(tb.mail_out[c]) for c in chans}
+        shifts = sorted(self.wire_sizes)
+        # per tick and device one kind of work, each its own switch over the groups
+        # (idle; a forward keeping values, which it stores in the pool; a forward keeping
+        # nothing; a backward), so no device makes or moves a buffer it does not fill
+        fkeep = np.asarray([bool(self.keeps[s]) for s in range(S)])
+        kind = jnp.asarray(np.where(tb.phase == F, np.where(fkeep, 1, 2), np.where(
+            tb.phase == B, 3, 0)).astype(np.int32))
+        kinds = [[(g, "F") for g, (s, _) in enumerate(self.groups) if fkeep[s]],
+                 [(g, "F") for g, (s, _) in enumerate(self.groups) if not fkeep[s]],
+                 [(g, "B") for g in range(len(self.groups))]]
+        within = np.zeros((3, len(self.groups)), np.int32)  # the group's branch in its kind
+        for k, pairs in enumerate(kinds):
+            for j, (g, _) in enumerate(pairs):
+                within[k, g] = j
+        senders = {d: self._senders(d) for d in shifts}
+        na = {ph: len(self.acc_sizes[ph]) for ph in "FB"}
 
-            def take(key, ref):
-                slots[key] = (len(operands), len(ref.bufs))
-                operands.extend(ref.bufs)
+        def tick(i, carry):
+            acc, pool, mail = carry
+            m = micro[i, sidx]
+            # the pool and mailboxes are read whole (a branch takes its slots) and written
+            # outside the switch, in place; the branches close over them (a hook repeating
+            # a branch repeats its work, not copies of them)
+            operands = [keep_in[i, sidx], *(mail_in[c][i, sidx] for c in chans)]
 
-            for s, (m, ph) in acts.items():
-                if ph == "B" and (s, m) in kept:
-                    take(("kept", s), kept[(s, m)])
-                for k, ref in enumerate(inbox.get((s, ph, m), [])):
-                    take(("in", s, k), ref)
-            if keep_p:
-                keep_in = pool[self.keep_slot[tick]]
-                slots["keep"] = (len(operands), len(keep_in))
-                operands.extend(keep_in)
-            base = len(operands)
-            operands += list(acc)
-            if unpacked is None:  # each stage's parameters as arrays, once per step
-                unpacked = [self._leaves(s, {"state": list(state), "copies": [
-                    [list(r.bufs) for r in copies.get(k, [])] for k in range(S)]}, copies)
-                    for s in range(S)]
-            # state, data and parameter copies are read, never written, by every tick: the
-            # branches close over them (a hook repeating a branch repeats its work, not
-            # copies of the step's inputs)
-            branches = [self._hooked(self._tick_branch(
-                g, acts, slots, base, keep_p, keep_sizes, send_p, send_sizes, acc_order, copies,
-                inbox, kept, unpacked, data), [False] * len(operands))
-                for g in range(len(self.groups))]
-            outs = lax.switch(group, branches, *operands) if len(branches) > 1 else branches[0](*operands)
-            k = 0
-            acc = tuple(outs[k:k + len(acc_order)])
-            k += len(acc_order)
-            if keep_p:
-                kept_bufs = tuple(outs[k:k + len(keep_sizes)])
-                k += len(keep_sizes)
-                pool[self.keep_slot[tick]] = kept_bufs
-                for s in keep_p:
-                    kept[(s, acts[s][0])] = Ref(kept_bufs, tuple(keep_sizes), keep_p[s])
-            for d in sorted(send_p):
-                n = len(send_sizes[d])
-                bufs = tuple(outs[k:k + n])
+            def work(k, ph, acc):
+                # the branches close over the loop's pool and mailboxes (read-only here)
+                branches = [self._hooked(self._tick_branch(g, ph, m, unpacked, data, pool,
+                                                           mail, k == 0),
+                                         [False] * len(operands)) for g, _ in kinds[k]]
+                outs = lax.switch(jnp.asarray(within[k])[group], branches, *operands)
+                n = na[ph]
+                return {**acc, ph: tuple(a + c for a, c in zip(acc[ph], outs[:n]))}, outs[n:]
+
+            def keeping(acc, pool):  # a forward whose keep is stored in the pool, in place
+                acc, outs = work(0, "F", acc)
+                pool = tuple(lax.dynamic_update_index_in_dim(p, v, keep_out[i, sidx], 0)
+                             for p, v in zip(pool, outs[:len(pool)]))
+                return acc, pool, tuple(outs[len(pool):])
+
+            def other(acc, pool):  # idle, a forward keeping nothing, a backward
+                def idle(acc):
+                    return acc, tuple(jnp.zeros((n,), k) for d in shifts
+                                      for k, n in self.wire_sizes[d].items())
+                fns = [idle] + [functools.partial(work, k, ph) for k, ph in ((1, "F"), (2, "B"))
+                                if kinds[k]]
+                pick = np.zeros(4, np.int32)
+                pick[[0] + [k + 1 for k in (1, 2) if kinds[k]]] = np.arange(len(fns))
+                acc, outs = lax.switch(jnp.asarray(pick)[kind[i, sidx]], fns, acc)
+                return acc, pool, tuple(outs)
+
+            if kinds[0]:
+                acc, pool, outs = lax.cond(kind[i, sidx] == 1, keeping, other, acc, pool)
+            else:
+                acc, pool, outs = other(acc, pool)
+            mail, k = dict(mail), 0
+            for d in shifts:
+                n = len(self.wire_sizes[d])
+                got = tuple(outs[k:k + n])
                 k += n
-                perm = [(s, s + d) for s in send_p[d]]
-                chunked = any(self.rows[s] != self.rows[s + d] for s in send_p[d])
-                if chunked:
-                    bufs = tuple(lax.all_gather(b, DATA) for b in bufs)
-                bufs = tuple(lax.ppermute(b, STAGE, perm) for b in bufs)
-                for s, p in send_p[d].items():
-                    m, ph = acts[s]
-                    for (b, phb) in {(key[0], key[1]) for key in p.slots}:
-                        inbox.setdefault((b, phb, m), []).append(
-                            Ref(bufs, tuple(send_sizes[d]), p, chunked, s))
+                # only the stages sending this tick: a tick with none sends nothing (the
+                # pattern is the same on every device, so each takes the same branch)
+                got = dict(zip(self.wire_sizes[d], lax.switch(
+                    jnp.asarray(senders[d][0])[i],
+                    [functools.partial(self._cross, d, pairs) for pairs in senders[d][1]],
+                    *got)))
+                for c in [c for c in chans if c[0] == d]:
+                    at = mail_out[c][i, sidx]
+                    new = tuple(got[kd][..., :n] for kd, n in self.chan_sizes[c].items())
+                    mail[c] = lax.cond(at < tb.mail_slots[c], lambda bufs, new=new, at=at: tuple(
+                        lax.dynamic_update_index_in_dim(b, v, at, 0) for b, v in zip(bufs, new)),
+                        lambda bufs: bufs, mail[c])
+            return acc, pool, mail
+
+        acc = {ph: tuple(jnp.zeros((n,), k) for k, n in self.acc_sizes[ph].items())
+               for ph in "FB"}
+        mail = {c: tuple(jnp.zeros((tb.mail_slots[c],) + ((self.D,) if self.chunked[c[0]]
+                                                         else ()) + (n,), k)
+                         for k, n in self.chan_sizes[c].items()) for c in chans}
+        acc, pool, _ = lax.fori_loop(0, tb.ticks, tick, (acc, pool, mail))
 
         # 3. once per step: sums over the stage's devices, then the stages' remaining ops
-        acc = tuple(lax.psum(a, DATA) for a in acc)
+        acc = {ph: tuple(lax.psum(a, DATA) for a in bufs) for ph, bufs in acc.items()}
         ctx = {"state": list(state), "copies": [[list(r.bufs) for r in copies.get(s, [])]
                                                 for s in range(S)],
                "data": [data[t] for t in self.data]}
-        out = self._finish(sidx, ctx, copies, acc, acc_order, raw)
+        out = self._finish(sidx, ctx, copies, acc, raw)
         # the keep buffers as the last tick left them, for the next step
-        return (*out[:len(self.state_order)], *[b for bufs in pool for b in bufs],
-                *out[len(self.state_order):])
+        return (*out[:len(self.state_order)], *pool, *out[len(self.state_order):])
 
     def _hooked(self, f, entry):
         return f if self.hook is None else self.hook.wrap(f, entry, self._extra,
@@ -422,56 +447,70 @@ class Pipelined:
             return self._hooked(f, flags)
         return lax.switch(sidx, [make(s) for s in range(self.S)], *leaves)
 
-    def _tick_branch(self, g, acts, slots, base, keep_p, keep_sizes, send_p, send_sizes,
-                     acc_order, copies, inbox, kept, state, data):
+    def _senders(self, d) -> tuple:
+        """Per tick, which pattern of stages sends on shift `d` (an index into the
+        patterns), and the patterns as (sender, receiver) pairs."""
+        tb, pats = self.tables, {}
+        index = np.zeros(tb.ticks, np.int32)
+        for i in range(tb.ticks):
+            pairs = tuple((a, a + d) for a in range(self.S) if tb.phase[i, a]
+                          and a in self.chan_pack.get((d, "FB"[tb.phase[i, a] - 1]), {}))
+            index[i] = pats.setdefault(pairs, len(pats))
+        return index, list(pats)
+
+    def _cross(self, d, pairs, *bufs):
+        """What stages `pairs` send on shift d, as their receivers get it (gathered over
+        "data" first where the two split their rows differently)."""
+        if not pairs:  # read by no one
+            return tuple(jnp.broadcast_to(b, (self.D, *b.shape)) for b in bufs) \
+                if self.chunked[d] else bufs
+        if self.chunked[d]:
+            bufs = tuple(lax.all_gather(b, DATA) for b in bufs)
+        return tuple(lax.ppermute(b, STAGE, list(pairs)) for b in bufs)
+
+    def _tick_branch(self, g, ph, m, state, data, pool, mail, keeping):
+        """The work of group g's devices in phase `ph` ("F" or "B") on microbatch `m`.
+        Operands: the keep slot a backward reads (of `pool`) and per channel the mailbox
+        slot to read (of `mail`); results: what it adds to its phase's sums, what the
+        forward keeps (if `keeping`), what each shift's wire sends (zeros where
+        nothing is)."""
         s, rows = self.groups[g]
-        act = acts.get(s)
+        chans, shifts = sorted(self.chan_pack), sorted(self.wire_sizes)
+        keep_order = tuple(self.keep_sizes)
+
+        def slot(bufs, k):
+            return tuple(lax.dynamic_index_in_dim(b, k, 0, keepdims=False) for b in bufs)
 
         def branch(*ops):
-            acc = list(ops[base:base + len(acc_order)])
-            dvals = {t: data[t] for t in self.data}
-            outs_keep = ()
-            if "keep" in slots:  # passed through where this stage keeps nothing now
-                a, n = slots["keep"]
-                outs_keep = tuple(ops[a:a + n])
-            outs_send = {d: tuple(jnp.zeros((n,), k) for k, n in sz.items())
-                         for d, sz in send_sizes.items()}
-            if act is None:
-                return (*acc, *outs_keep, *[b for d in sorted(outs_send) for b in outs_send[d]])
-            m, ph = act
-            env = {}
-            known = {}
-            known.update(state[s])  # this stage's state, unpacked once per step
-            if ph == "B" and (s, m) in kept:
-                a, n = slots[("kept", s)]
-                ref = kept[(s, m)]
-                for t, v in ref.packing.unpack(ops[a:a + n], ref.order).items():
+            mails = {c: (mail[c], ops[1 + j]) for j, c in enumerate(chans)}
+            known, env = dict(state[s]), {}
+            if ph == "B" and self.keeps[s]:
+                for t, v in self.keep_packing[s].unpack(slot(pool, ops[0]), keep_order).items():
                     known[t] = trim(v, self.plan.tensor_layouts[t], self._local(t, rows))
-            for k, ref in enumerate(inbox.get((s, ph, m), [])):
-                a, n = slots[("in", s, k)]
-                known.update(self._received(ref, ops[a:a + n], s, rows))
-            known.update(dvals)
+            for (a, pha), dests in self.sends.items():
+                if (s, ph) in dests:
+                    c = (s - a, pha)
+                    bufs = slot(*mails[c])
+                    ref = Ref(bufs, tuple(self.chan_sizes[c]), self.chan_pack[c][a],
+                              self.chunked[c[0]], a)
+                    known.update(self._received(ref, bufs, s, rows))
+            known.update({t: data[t] for t in self.data})
             run = self._evaluator(s, rows, m, env, lambda x: known[x])
             for i in self.core[(s, ph)]:
                 run(i)
-            for t in self.acc[s]:
-                if t in env:
-                    a = self.acc_packing[s]
-                    k, off, shape = a.slots[t]
-                    j = acc_order.index(k)
-                    size = int(np.prod(shape, dtype=np.int64))
-                    acc[j] = acc[j].at[off:off + size].add(jnp.ravel(env[t]).astype(k))
-            if ph == "F" and s in keep_p:
-                outs_keep = keep_p[s].pack_into(outs_keep, tuple(keep_sizes), {
+            sums = self.acc_packing[ph][s]
+            out = sums.pack({t: env[t] for t in sums.slots}, self.acc_sizes[ph])
+            if keeping:
+                out += self.keep_packing[s].pack({
                     t: pad_to(env[t] if t in env else known[t], self.plan.tensor_layouts[t],
-                              self._padded(t, s)) for t in self.keeps[s]})
-            for d, ps in send_p.items():
-                if s in ps:
-                    outs_send[d] = ps[s].pack({key: pad_to(env[key[2]],
-                                                            self.plan.tensor_layouts[key[2]],
-                                                            self._padded(key[2], s))
-                                               for key in ps[s].slots}, send_sizes[d])
-            return (*acc, *outs_keep, *[b for d in sorted(outs_send) for b in outs_send[d]])
+                              self._padded(t, s)) for t in self.keeps[s]}, self.keep_sizes)
+            for d in shifts:
+                p = self.chan_pack.get((d, ph), {}).get(s)
+                out += p.pack({key: pad_to(env[key[2]], self.plan.tensor_layouts[key[2]],
+                                           self._padded(key[2], s)) for key in p.slots},
+                              self.wire_sizes[d]) if p is not None else tuple(
+                    jnp.zeros((n,), k) for k, n in self.wire_sizes[d].items())
+            return out
 
         return branch
 
@@ -534,7 +573,7 @@ class Pipelined:
     def _whole_dtype(self, key):
         return self.prog.avals[self.prog.inputs[key[1]] if key[0] == "leaf" else key[1]].dtype
 
-    def _finish(self, sidx, ctx, copies, acc, acc_order, raw):
+    def _finish(self, sidx, ctx, copies, acc, raw):
         """Rounds of once-per-step ops; returns the new state buffers and the outputs."""
         prog, S = self.prog, self.S
         where: dict = {}   # tensor -> (stage, round) it is made in
@@ -554,7 +593,8 @@ class Pipelined:
                 where[t] = (s, lv)
         outs = prog.outputs
         final = max([0] + list(level.values())) + 1
-        avail = [dict(self.acc_packing[s].unpack(acc, acc_order)) for s in range(S)]
+        avail = [{t: v for ph in "FB" for t, v in self.acc_packing[ph][s].unpack(
+            acc[ph], tuple(self.acc_sizes[ph])).items()} for s in range(S)]
         keys = [list(a) for a in avail]
 
         def context():
@@ -760,9 +800,10 @@ class Pipelined:
         data = [jax.device_put(jnp.asarray(x), rep) for x in leaves[self.nstate:]]
         extra = self.hook.inputs(self.mesh) if self.hook is not None else ()
         if self._scratch is None:
-            own = NamedSharding(self.mesh, PS((STAGE, DATA)))
-            self._scratch = [jax.device_put(np.zeros((self.mesh.devices.size * n,), k), own)
-                             for _ in range(self.keep_buffers) for k, n in self.keep_sizes.items()]
+            own = NamedSharding(self.mesh, PS((STAGE, DATA), None))
+            slots = self.keep_buffers
+            self._scratch = [jax.device_put(np.zeros((self.mesh.devices.size * slots, n), k), own)
+                             for k, n in self.keep_sizes.items()]
         outs = self._fn(*state, *self._scratch, *data, *extra)
         if self.mesh.devices.flat[0].platform == "cpu":
             jax.block_until_ready(outs)

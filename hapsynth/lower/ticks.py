@@ -1,0 +1,120 @@
+"""The tables a pipelined program's tick loop indexes, from a plan's static schedule.
+
+The loop body is the same at every tick (so the program's size does not grow with the
+microbatches); what differs is data: per tick and stage the work (idle, a forward or a
+backward, of which microbatch), the slot of the keep pool its branch reads or writes,
+and per channel the mailbox slot a received message is stored in or read from. Pure
+Python and numpy, no JAX.
+
+A channel `(d, phase)` carries what a stage's `phase` sends to the stage `d` after it
+(before it when `d < 0`). A message waits in its receiver's mailbox until the last work
+reading it has run; keep buffers wait for their stage's backward. Both reuse slots; a
+table entry equal to the number of slots means none (nothing to read or store).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["IDLE", "F", "B", "TickTables", "tick_tables", "keep_pool"]
+
+IDLE, F, B = 0, 1, 2
+PHASE = {"F": F, "B": B}
+
+
+@dataclass(frozen=True)
+class TickTables:
+    """Per tick (rows, in tick order) and stage (columns), int32 tables."""
+
+    phase: np.ndarray        # IDLE, F or B
+    micro: np.ndarray        # the microbatch worked on (0 when idle)
+    keep_in: np.ndarray      # the keep slot a backward reads
+    keep_out: np.ndarray     # the keep slot a forward writes
+    keep_slots: int
+    mail_in: dict            # channel -> the mailbox slot the work reads
+    mail_out: dict           # channel -> the slot a message received this tick is stored in
+    mail_slots: dict         # channel -> slots in use at most
+
+    @property
+    def ticks(self) -> int:
+        return self.phase.shape[0]
+
+
+def keep_pool(table, keeps) -> dict:
+    """Per tick whose forwards keep something (`keeps[s]` true), the pool slot they write:
+    one whose every reading backward has run, else a new one."""
+    free, slot, readers = [], {}, {}
+    for tick in sorted({row[0] for row in table}):
+        acts = {row[1]: (row[2], row[3]) for row in table if row[0] == tick}
+        keeping = {(s, m) for s, (m, ph) in acts.items() if ph == "F" and keeps[s]}
+        if keeping:
+            slot[tick] = free.pop() if free else len(readers)
+            readers[slot[tick]] = keeping
+        for s, (m, ph) in acts.items():
+            for k, left in readers.items():
+                if ph == "B" and (s, m) in left:
+                    left.discard((s, m))
+                    if not left:
+                        free.append(k)
+    return slot
+
+
+def tick_tables(table, stages: int, keeps, channels) -> TickTables:
+    """`table`: (tick, stage, microbatch, "F"/"B") rows; `keeps[s]`: whether stage s's
+    forward keeps values for its backward; `channels[(d, phase)]`: per sending stage, the
+    phases of stage `sender + d` that read what it sends."""
+    order = sorted({row[0] for row in table})
+    at = {t: i for i, t in enumerate(order)}
+    T, S = len(order), stages
+    phase = np.zeros((T, S), np.int32)
+    micro = np.zeros((T, S), np.int32)
+    when = {}
+    for t, s, m, ph in table:
+        phase[at[t], s], micro[at[t], s] = PHASE[ph], m
+        when[(s, m, ph)] = at[t]
+
+    pool = keep_pool(table, keeps)
+    K = len(set(pool.values()))
+    keep_in = np.full((T, S), K, np.int32)
+    keep_out = np.full((T, S), K, np.int32)
+    for t, s, m, ph in table:
+        if not keeps[s]:
+            continue
+        written = pool[order[when[(s, m, "F")]]]
+        if ph == "F":
+            keep_out[at[t], s] = written
+        else:
+            keep_in[at[t], s] = written
+
+    mail_in, mail_out, mail_slots = {}, {}, {}
+    for (d, pha), senders in sorted(channels.items()):
+        events = []  # (arrival tick, last reader's tick, receiver, readers)
+        for (s, m, ph), i in when.items():
+            if ph != pha or s not in senders:
+                continue
+            b = s + d
+            reads = [(b, m, phb) for phb in senders[s]]
+            ticks = [when[r] for r in reads]
+            if min(ticks) <= i:
+                raise ValueError(f"stage {b} reads microbatch {m}'s {pha} message from stage "
+                                 f"{s} at tick {min(ticks)}, not after it was sent ({i})")
+            events.append((i, max(ticks), b, reads))
+        win = np.full((T, S), -1, np.int32)
+        wout = np.full((T, S), -1, np.int32)
+        used = 0
+        for b in range(S):
+            free, busy = [], []  # busy: (last reader's tick, slot)
+            for i, last, _, reads in sorted(e for e in events if e[2] == b):
+                # slots whose last reader ran by this tick (reads come before stores)
+                free += [k for lt, k in busy if lt <= i]
+                busy = [(lt, k) for lt, k in busy if lt > i]
+                k = free.pop() if free else len(busy) + len(free)
+                busy.append((last, k))
+                used = max(used, k + 1)
+                wout[i, b] = k
+                for r in reads:
+                    win[when[r], b] = k
+        win[win < 0], wout[wout < 0] = used, used
+        mail_in[(d, pha)], mail_out[(d, pha)], mail_slots[(d, pha)] = win, wout, used
+    return TickTables(phase, micro, keep_in, keep_out, K, mail_in, mail_out, mail_slots)
