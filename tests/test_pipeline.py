@@ -203,6 +203,7 @@ def _program_text(par, args) -> str:
     return fn.lower(*seen["args"]).as_text()
 
 
+@pytest.mark.slow
 def test_the_program_does_not_grow_with_its_ticks():
     """The ticks run in one loop whose body is the same every tick: a table with more
     ticks (readers of each transfer waiting longer) gives a program of the same size."""
@@ -223,6 +224,7 @@ def test_the_program_does_not_grow_with_its_ticks():
     assert abs(len(texts[1]) - len(texts[0])) < 0.02 * len(texts[0])
 
 
+@pytest.mark.slow
 def test_only_the_stages_sending_cross_a_link():
     """Per tick and shift, the program's `ppermute` pairs are the stages sending then (a
     tick where none does moves nothing: no zeros cross a slow link)."""
