@@ -13,13 +13,17 @@ from hapsynth.ir.trace import evaluate
 from hapsynth.models import get, names
 
 
+SLOW_FLOPS = {"vgg", "vit", "moe"}  # ~30 s together: with the slow set (CI runs it)
+
+
 def xla_flops(fn, *args) -> float:
     cost = jax.jit(fn).lower(*args).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     return float(cost["flops"])
 
 
-@pytest.mark.parametrize("model", names())
+@pytest.mark.parametrize("model", [pytest.param(m, marks=pytest.mark.slow) if m in SLOW_FLOPS
+                                   else m for m in names()])
 def test_zoo_flops_match_xla(model):
     step, args = get(model, "tiny")
     report = hs.inspect(step, *args)

@@ -93,6 +93,7 @@ def _tight_cluster(prog, fraction):
     return hs.Cluster.simulated([("CPU", 8, {"memory": int(inputs + fraction * peak_bytes(prog) / 8)})])
 
 
+@pytest.mark.slow  # ~45 s; test_recomputes_only_what_the_memory_needs_first runs one by default
 def test_a_step_too_big_as_written_is_planned_recomputed_and_equals_one_device():
     from test_lowering import compare
 
