@@ -2,6 +2,7 @@
 the heterogeneity-aware 1F1B; what `pipeline="auto"` picks; the ideal. A markdown table.
 
     .venv/bin/python benchmarks/pipelines.py [--time-limit 10] [--out benchmarks/PIPELINES.md]
+    .venv/bin/python benchmarks/pipelines.py --only gpt-medium@a100x8-v100x8-islands-10g
     .venv/bin/python -m hapsynth_bench.pipelines ...        (the same, installed)
 
 Every figure is the cost model's prediction (no GPU runs here). "SPMD-only" is the best
@@ -11,7 +12,10 @@ column is the best pipeline found under that schedule (stage cuts, stage order a
 microbatch count searched for it); "balanced cuts" prices plain 1F1B and hetero-1F1B
 with cuts shortlisted by balance alone (stages of comparable work, where the schedule
 matters most; the columns before may find a cut where little crosses the slow link
-better still); "auto" is what `pipeline="auto"` returns. Rows
+better still); "free-running" prices hetero-1F1B with every stage running its next
+work as soon as it is ready instead of in the lowering's ticks (a tick starts when the
+previous tick's longest work ends): what the lock step costs, not a plan the library
+runs; "auto" is what `pipeline="auto"` returns. Rows
 include where pipelines pay (large gradients, slow inter-island links) and where they
 do not (fast links; activations crossing a cut outweighing the gradients).
 """
@@ -104,6 +108,9 @@ def row(name: str, config: str, where, time_limit: float) -> dict:
     for kind in SCHEDULES:
         p = plan_pipeline(graph, cluster, regions, dp.tensor_layouts, n, kinds=(kind,))
         out[kind] = (p.step, p.micros, len(p.order), p.fits) if p else None
+    p = plan_pipeline(graph, cluster, regions, dp.tensor_layouts, n, kinds=("hetero-1f1b",),
+                      free_running=True)
+    out["free"] = (p.step, p.micros, len(p.order), p.fits) if p else None
     for kind in ("1f1b", "hetero-1f1b"):  # the schedules where stages balance
         p = plan_pipeline(graph, cluster, regions, dp.tensor_layouts, n, kinds=(kind,),
                           by_links=False)
@@ -114,7 +121,8 @@ def row(name: str, config: str, where, time_limit: float) -> dict:
 
 def table(rows) -> str:
     head = ("| model | cluster | SPMD-only | GPipe | 1F1B | hetero-1F1B | hetero vs 1F1B | "
-            "the same, balanced cuts | auto picks | auto vs SPMD | ideal | auto at limit |")
+            "the same, balanced cuts | free-running (vs SPMD) | auto picks | auto vs SPMD | "
+            "ideal | auto at limit |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         def cell(kind):
@@ -130,8 +138,9 @@ def table(rows) -> str:
             pick += f" ({', '.join(r['idle'])} idle)"
         a, b = r.get("balanced 1f1b"), r.get("balanced hetero-1f1b")
         balanced = f"{a:.3f} / {b:.3f} s = {a / b:.2f}x" if a and b else ""
+        free = f"{cell('free')} = {r['spmd'] / r['free'][0]:.2f}x" if r.get("free") else "n/a"
         lines.append(f"| {r['model']} | {r['cluster']} | {r['spmd']:.3f} s | {cell('gpipe')} | "
-                     f"{cell('1f1b')} | {cell('hetero-1f1b')} | {ratio} | {balanced} | {pick} | "
+                     f"{cell('1f1b')} | {cell('hetero-1f1b')} | {ratio} | {balanced} | {free} | {pick} | "
                      f"{r['spmd'] / r['auto']:.2f}x | {r['ideal']:.3f} s | "
                      f"{r['ideal'] / r['auto']:.0%} |")
     notes = [f"- {r['model']} on {r['cluster']}: {r.get('error') or r['why']}" for r in rows]
@@ -142,9 +151,17 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--time-limit", type=float, default=10.0)
     ap.add_argument("--out", help="write the markdown here (default: print)")
+    ap.add_argument("--only", help="print one row, named MODEL-CONFIG@CLUSTER")
     a = ap.parse_args(argv)
+    if a.only and a.out:
+        ap.error("--only prints one row; --out writes the whole table")
+    labels = [f"{n}-{c}@{w if isinstance(w, str) else '@'.join(w)}" for n, c, w in ROWS]
+    if a.only and a.only not in labels:
+        ap.error(f"--only: no row {a.only!r}; rows: {', '.join(labels)}")
     rows = []
-    for name, config, where in ROWS:
+    for label, (name, config, where) in zip(labels, ROWS):
+        if a.only and label != a.only:
+            continue
         try:
             rows.append(row(name, config, where, a.time_limit))
         except ImportError as err:  # installed without the repository's tests/

@@ -561,6 +561,31 @@ def test_a_parameter_copy_runs_under_the_first_ticks_on_gpus():
     assert gpu.schedule.makespan < gpu.step < cpu.step
 
 
+def test_free_running_pricing_drops_only_the_lock_step():
+    """`free_running` prices each stage's next work as soon as it is ready (what the lock
+    step of the lowering's ticks costs, for comparison): at the same cut and order never
+    slower, the copy of the tied embedding still delaying the stage reading it."""
+    from hapsynth.synth.pipeline import _Costs, _Evaluator
+    step, args = get("gpt", "tiny")
+    cluster = two_islands("1Gbps")
+    graph, dp, r, n = _regions(step, args, cluster)
+    parts, _ = stage_parts(cluster)
+    cut = (r.cut_points()[len(r.cut_points()) // 2],)
+    costs = _Costs(graph, cluster, r, parts)
+    ticked = _Evaluator(graph, cluster, r, n, costs, dp.tensor_layouts).price((0, 1), cut, 4, "1f1b")
+    free = _Evaluator(graph, cluster, r, n, costs, dp.tensor_layouts,
+                      free_running=True).price((0, 1), cut, 4, "1f1b")
+    assert ticked.schedule.ticks and not free.schedule.ticks
+    assert free.head == ticked.head > 0
+    first = {s: min((x for x in free.schedule.slots if x.stage == s), key=lambda x: x.start)
+             for s in (0, 1)}  # the copy holds the link: the first activation waits for it
+    assert first[1].start == pytest.approx(max(first[0].end, free.head) + free.send[0])
+    assert first[0].end < free.head
+    assert free.schedule.makespan <= ticked.schedule.makespan + 1e-12
+    assert free.step <= ticked.step + 1e-12
+    assert (free.forward, free.backward, free.send) == (ticked.forward, ticked.backward, ticked.send)
+
+
 def test_pricing_counts_each_crossing_once():
     """A tensor read by several ops of the next stage is priced as one transfer, the
     size of what the lowering sends."""

@@ -90,3 +90,22 @@ def test_schedule_picture_has_a_row_per_stage_and_a_bar_per_slot():
 def test_the_memory_cap_holds_even_below_plain_1f1b():
     sched = schedule("hetero-1f1b", [1.0] * 4, [2.0] * 4, 6, memory_cap=[1, 1, 1, 1])
     assert max(sched.in_flight) <= 1 and max(sched.depths) <= 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_what_crossed_before_the_first_microbatch_delays_its_stage_and_link(kind):
+    """`ready` (parameters copied before the first tick): the stage they went to starts
+    no work before they arrive, and its link carries nothing sooner; other stages don't wait."""
+    fwd, bwd, send, back = [1.0, 1.0, 1.0], [2.0, 2.0, 2.0], [0.5, 0.5], [0.5, 0.5]
+    plain = schedule(kind, fwd, bwd, 4, send, back)
+    late = schedule(kind, fwd, bwd, 4, send, back, ready={("F", 1): 5.0})
+    _check_dependencies(late, fwd, bwd, send, back)
+
+    def first(sched, s):
+        return min(x.start for x in sched.slots if x.stage == s)
+
+    assert first(plain, 2) < 5.0
+    assert first(late, 0) == 0.0 and first(late, 1) == first(plain, 1)  # they don't wait
+    # stage 1's first activation leaves once the link is free: 5.0 + 0.5 s on the way
+    assert first(late, 2) >= 5.0 + 0.5 - 1e-9
+    assert late.makespan > plain.makespan

@@ -133,9 +133,12 @@ def _scaled(cost, f):
 
 
 def plan_pipeline(graph: Graph, cluster: Cluster, regions: Regions, layouts, num_state_leaves: int,
-                  kinds=SCHEDULES, keep: int = 6, by_links: bool = True) -> Pipeline | None:
+                  kinds=SCHEDULES, keep: int = 6, by_links: bool = True,
+                  free_running: bool = False) -> Pipeline | None:
     """The best pipeline found, or None when the cluster has one island. `by_links=False`
-    shortlists the most balanced cuts only (for comparison)."""
+    shortlists the most balanced cuts only (for comparison). `free_running`: priced with
+    every stage running its next work as soon as it is ready, not in the lowering's ticks
+    (for comparison: what the lock step costs)."""
     if cluster.num_islands < 2:
         return None
     islands, island_of_part = stage_parts(cluster)
@@ -177,7 +180,8 @@ def plan_pipeline(graph: Graph, cluster: Cluster, regions: Regions, layouts, num
         shortlist += [(order, tuple(int(c) for c in combos[k])) for k in picked]
         balanced |= {(order, tuple(int(c) for c in combos[k]))
                      for k in np.argsort(worst, kind="stable")[:keep]}
-    evaluator = _Evaluator(graph, cluster, regions, num_state_leaves, costs, layouts)
+    evaluator = _Evaluator(graph, cluster, regions, num_state_leaves, costs, layouts,
+                           free_running)
     # every cut, order and microbatch count under plain 1F1B; the best few under each
     # schedule, and the best few of the balanced cuts (where the schedules differ most)
     first = []
@@ -235,7 +239,9 @@ def _micro_counts(batch: int, S: int, devices: int) -> list[int]:
 
 
 class _Evaluator:
-    def __init__(self, graph, cluster, regions, num_state_leaves, costs, layouts):
+    def __init__(self, graph, cluster, regions, num_state_leaves, costs, layouts,
+                 free_running=False):
+        self.free_running = free_running
         self.g, self.cluster, self.r, self.costs = graph, cluster, regions, costs
         self.nstate = num_state_leaves
         self.producer = {t: op.id for op in graph.ops for t in op.outputs}
@@ -361,9 +367,11 @@ class _Evaluator:
                       for s in range(S)]
         try:
             def run(x):
-                return lockstep(x, fwd, bwd, fw, bw, overlap=self.overlap, ready=ready)
+                return x if self.free_running else lockstep(x, fwd, bwd, fw, bw,
+                                                            overlap=self.overlap, ready=ready)
             sch = run(schedule(kind, fwd, bwd, M, fw, bw, memory_cap=memory_cap,
-                               cost=lambda x: run(x).makespan))
+                               cost=lambda x: run(x).makespan,
+                               ready=ready if self.free_running else None))
         except RuntimeError:
             return None
         tail, sync = [], [all_reduce(cluster, acc[s], islands[s]) for s in range(S)]

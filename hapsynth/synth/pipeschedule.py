@@ -73,12 +73,14 @@ class PipeSchedule:
 
 
 def schedule(kind: str, forward, backward, micros: int, send=None, send_back=None,
-             memory_cap=None, cost=None) -> PipeSchedule:
+             memory_cap=None, cost=None, ready=None) -> PipeSchedule:
     """The `kind` schedule (one of `KINDS`) of `micros` microbatches over the stages
     given by per-stage `forward` and `backward` seconds and per-boundary transfer
     seconds; `memory_cap[s]` bounds hetero-1f1b's activations in flight on stage s;
     `cost(schedule)` is what hetero-1f1b's search minimises (default: the makespan; a
-    lowering that runs the schedule another way prices it its own way)."""
+    lowering that runs the schedule another way prices it its own way); `ready`: per link
+    direction (("F", s): stage s to s + 1, ("B", s): back), when what crossed it before
+    the first microbatch has arrived; the stage it went to starts no work before."""
     S = len(forward)
     if len(backward) != S or S < 1 or micros < 1:
         raise ValueError(f"need as many backward as forward times (got {len(forward)} and "
@@ -87,7 +89,8 @@ def schedule(kind: str, forward, backward, micros: int, send=None, send_back=Non
     send_back = tuple(send_back or send)
     if len(send) != S - 1 or len(send_back) != S - 1:
         raise ValueError(f"{S} stages have {S - 1} boundaries; got {len(send)} transfer times")
-    times = (tuple(map(float, forward)), tuple(map(float, backward)), send, send_back)
+    times = (tuple(map(float, forward)), tuple(map(float, backward)), send, send_back,
+             dict(ready or {}))
     if kind == "gpipe":
         orders = [[("F", m) for m in range(micros)] + [("B", m) for m in range(micros)]
                   for _ in range(S)]
@@ -145,12 +148,14 @@ def _count(choices) -> int:
 
 def _run(kind, times, M: int, orders=None, depths=None) -> PipeSchedule:
     """Simulate: fixed per-stage `orders`, or (with `depths`) the ready-first rule."""
-    fwd, bwd, send, send_back = times
+    fwd, bwd, send, send_back, ready_at = times
     S = len(fwd)
     done: dict = {}                     # (phase, stage, micro) -> end time
     arrive: dict = {}                   # (phase, stage, micro) -> when its input is there
     link_free = {("F", s): 0.0 for s in range(S - 1)} | {("B", s): 0.0 for s in range(S - 1)}
-    free = [0.0] * S
+    link_free |= ready_at
+    free = [max([0.0] + [t for (ph, b), t in ready_at.items() if (b + 1 if ph == "F" else b) == s])
+            for s in range(S)]
     nxt = [0] * S                        # position in orders / next forward micro
     back = [0] * S                       # next backward micro (adaptive)
     live = [0] * S
