@@ -105,12 +105,14 @@ def row(name: str, config: str, where, time_limit: float) -> dict:
     except NotPipelineable as e:
         out["error"] = str(e)
         return out
+    def found(p):
+        return (p.step, p.micros, len(p.order), p.fits) if p else None
+
     for kind in SCHEDULES:
-        p = plan_pipeline(graph, cluster, regions, dp.tensor_layouts, n, kinds=(kind,))
-        out[kind] = (p.step, p.micros, len(p.order), p.fits) if p else None
-    p = plan_pipeline(graph, cluster, regions, dp.tensor_layouts, n, kinds=("hetero-1f1b",),
-                      free_running=True)
-    out["free"] = (p.step, p.micros, len(p.order), p.fits) if p else None
+        out[kind] = found(plan_pipeline(graph, cluster, regions, dp.tensor_layouts, n,
+                                        kinds=(kind,)))
+    out["free"] = found(plan_pipeline(graph, cluster, regions, dp.tensor_layouts, n,
+                                      kinds=("hetero-1f1b",), free_running=True))
     for kind in ("1f1b", "hetero-1f1b"):  # the schedules where stages balance
         p = plan_pipeline(graph, cluster, regions, dp.tensor_layouts, n, kinds=(kind,),
                           by_links=False)

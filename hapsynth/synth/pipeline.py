@@ -28,7 +28,7 @@ from hapsynth.cluster import Cluster
 from hapsynth.ir.graph import Graph
 from hapsynth.synth.collectives import all_reduce
 from hapsynth.synth.costmodel import compute_time
-from hapsynth.synth.pipeschedule import PipeSchedule, Slot, schedule
+from hapsynth.synth.pipeschedule import PipeSchedule, Slot, arrived, schedule
 from hapsynth.synth.plan import Plan
 from hapsynth.synth.stages import Regions, stage_of
 
@@ -426,8 +426,7 @@ def lockstep(sch: PipeSchedule, fwd, bwd, send, send_back, overlap: bool = True,
 def _lockstep(sch, rows, fwd, bwd, send, send_back, overlap, ready) -> PipeSchedule:
     S = sch.stages
     slots, arrive, link_free = [], {}, dict(ready)
-    copied = {s: max([0.0] + [v for (ph, b), v in ready.items()
-                              if (b + 1 if ph == "F" else b) == s]) for s in range(S)}
+    copied = arrived(ready, S)
     end, begun = 0.0, set()
     for t in sorted({r[0] for r in rows}):
         work = [(s, m, ph) for tt, s, m, ph in rows if tt == t]

@@ -146,6 +146,13 @@ def _count(choices) -> int:
     return n
 
 
+def arrived(ready, S: int) -> list[float]:
+    """Per stage: when everything sent to it before the first microbatch is there
+    (`ready` keyed as in `schedule`: ("F", s) reaches stage s + 1, ("B", s) stage s)."""
+    return [max([0.0] + [t for (ph, b), t in ready.items() if (b + 1 if ph == "F" else b) == s])
+            for s in range(S)]
+
+
 def _run(kind, times, M: int, orders=None, depths=None) -> PipeSchedule:
     """Simulate: fixed per-stage `orders`, or (with `depths`) the ready-first rule."""
     fwd, bwd, send, send_back, ready_at = times
@@ -154,8 +161,7 @@ def _run(kind, times, M: int, orders=None, depths=None) -> PipeSchedule:
     arrive: dict = {}                   # (phase, stage, micro) -> when its input is there
     link_free = {("F", s): 0.0 for s in range(S - 1)} | {("B", s): 0.0 for s in range(S - 1)}
     link_free |= ready_at
-    free = [max([0.0] + [t for (ph, b), t in ready_at.items() if (b + 1 if ph == "F" else b) == s])
-            for s in range(S)]
+    free = arrived(ready_at, S)
     nxt = [0] * S                        # position in orders / next forward micro
     back = [0] * S                       # next backward micro (adaptive)
     live = [0] * S
