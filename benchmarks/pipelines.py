@@ -13,9 +13,10 @@ microbatch count searched for it); "balanced cuts" prices plain 1F1B and hetero-
 with cuts shortlisted by balance alone (stages of comparable work, where the schedule
 matters most; the columns before may find a cut where little crosses the slow link
 better still); "free-running" prices hetero-1F1B with every stage running its next
-work as soon as it is ready instead of in the lowering's ticks (a tick starts when the
-previous tick's longest work ends): what the lock step costs, not a plan the library
-runs; "auto" is what `pipeline="auto"` returns. Rows
+work as soon as it is ready and every transfer and parameter copy under later work,
+instead of in the lowering's ticks (a tick lasts its longest work and then its longest
+transfer): what the lock step costs, not a plan the library runs; "auto" is what
+`pipeline="auto"` returns. Rows
 include where pipelines pay (large gradients, slow inter-island links) and where they
 do not (fast links; activations crossing a cut outweighing the gradients).
 """

@@ -535,30 +535,35 @@ def test_no_fitting_plan_names_the_class_on_one_island():
         hs.parallelize(step, cluster=tiny, time_limit=1).plan(*args)
 
 
-def test_a_parameter_copy_runs_under_the_first_ticks_on_gpus():
-    """On GPUs (asynchronous collectives) the tied embedding's copy to the last stage
-    shares the link with the first activation and delays only the stage reading it; its
-    gradient goes back once that stage is done. On CPUs (XLA runs a collective where it
-    stands) the copy comes before the first tick and the sums after the last."""
+def test_ticks_are_priced_as_the_loop_runs_them_on_gpus_too():
+    """The lowering's tick loop sends what a tick made inside that tick (the next tick
+    reads the mailboxes the transfers fill), copies the parameters a stage reads but does
+    not store before the loop and sums after it: on GPUs as on CPUs, a tick lasts its
+    longest work plus its longest transfer, and the step adds the copies and the
+    once-per-step work (the tied embedding's copy and gradient here)."""
     from hapsynth.synth.pipeline import _Costs, _Evaluator
     step, args = get("gpt", "tiny")
     cluster = two_islands("1Gbps")
+    assert all(c.type != "CPU" for c in cluster.classes)
     graph, dp, r, n = _regions(step, args, cluster)
     parts, _ = stage_parts(cluster)
     cut = (r.cut_points()[len(r.cut_points()) // 2],)
     ev = _Evaluator(graph, cluster, r, n, _Costs(graph, cluster, r, parts), dp.tensor_layouts)
-    assert ev.overlap
-    gpu = ev.price((0, 1), cut, 4, "1f1b")
-    ev.overlap = False
-    ev._scans.clear()
-    cpu = ev.price((0, 1), cut, 4, "1f1b")
-    assert gpu.head == cpu.head > 0  # the tied embedding, stored by the first stage
-    first = {s: min((x for x in gpu.schedule.slots if x.stage == s), key=lambda x: x.start)
-             for s in (0, 1)}
-    assert first[0].start == 0.0
-    assert first[1].start == pytest.approx(max(first[0].end, gpu.head) + gpu.send[0])
-    assert cpu.step == pytest.approx(cpu.head + cpu.schedule.makespan + max(cpu.tail))
-    assert gpu.schedule.makespan < gpu.step < cpu.step
+    p = ev.price((0, 1), cut, 4, "1f1b")
+    assert p.head > 0 and max(p.tail) > 0 and p.send[0] > 0 and p.send_back[0] > 0
+    want = 0.0
+    for t in sorted({row[0] for row in p.schedule.ticks}):
+        work = [(s, ph) for tt, s, _, ph in p.schedule.ticks if tt == t]
+        keys = {(s, m, ph) for tt, s, m, ph in p.schedule.ticks if tt == t}
+        starts = [x.start for x in p.schedule.slots if (x.stage, x.micro, x.phase) in keys]
+        assert len(starts) == len(work) and starts == pytest.approx([want] * len(work))
+        want += max(p.forward[s] if ph == "F" else p.backward[s] for s, ph in work)
+        want += max([0.0] + [p.send[s] for s, ph in work if ph == "F" and s == 0]
+                    + [p.send_back[0] for s, ph in work if ph == "B" and s == 1])
+    assert p.schedule.makespan == pytest.approx(want)
+    assert p.step == pytest.approx(p.head + p.schedule.makespan + max(p.tail))
+    first = min((x for x in p.schedule.slots if x.stage == 1), key=lambda x: x.start)
+    assert first.start == pytest.approx(p.forward[0] + p.send[0])  # the copy came before
 
 
 def test_free_running_pricing_drops_only_the_lock_step():

@@ -6,11 +6,11 @@ parallel inside its devices at FLOP/s-proportional rows (uneven
 where the island mixes classes). Priced per microbatch: every stage's forward and
 backward at its rows; each tensor crossing a boundary over the link between the two
 islands; the schedule simulated (`pipeschedule.py`) for its order, then priced in lock step
-as the lowering runs it (`lockstep`: a tick starts when the previous one's longest work
-ends and what it reads has arrived). Once per step: the
-parameters a stage reads but does not store (tied embeddings) arrive first; after its
-last backward a stage all-reduces its gradients inside its island, receives the sums
-other stages made for its parameters, and runs its optimizer. Memory per device: its
+as the lowering runs it (`lockstep`: a tick lasts its longest work and then its
+longest transfer). Once per step: the
+parameters a stage reads but does not store (tied embeddings) are copied before the
+first tick; after the last tick each stage all-reduces its gradients inside its island,
+receives the sums other stages made for its parameters, and runs its optimizer. Memory per device: its
 stage's state, the copies it reads, the gradient sums and the activations in flight.
 Cuts are searched where stages balance, with or without the slowest link's transfers
 added; the best (cut, order, microbatches, schedule) is returned with every schedule's
@@ -28,7 +28,7 @@ from hapsynth.cluster import Cluster
 from hapsynth.ir.graph import Graph
 from hapsynth.synth.collectives import all_reduce
 from hapsynth.synth.costmodel import compute_time
-from hapsynth.synth.pipeschedule import PipeSchedule, Slot, arrived, schedule
+from hapsynth.synth.pipeschedule import PipeSchedule, Slot, schedule
 from hapsynth.synth.plan import Plan
 from hapsynth.synth.stages import Regions, stage_of
 
@@ -137,8 +137,9 @@ def plan_pipeline(graph: Graph, cluster: Cluster, regions: Regions, layouts, num
                   free_running: bool = False) -> Pipeline | None:
     """The best pipeline found, or None when the cluster has one island. `by_links=False`
     shortlists the most balanced cuts only (for comparison). `free_running`: priced with
-    every stage running its next work as soon as it is ready, not in the lowering's ticks
-    (for comparison: what the lock step costs)."""
+    every stage running its next work as soon as it is ready and every transfer and
+    parameter copy under later work, not in the lowering's ticks (for comparison: what
+    the lock step costs; not a program the lowering makes)."""
     if cluster.num_islands < 2:
         return None
     islands, island_of_part = stage_parts(cluster)
@@ -172,7 +173,7 @@ def plan_pipeline(graph: Graph, cluster: Cluster, regions: Regions, layouts, num
         worst = np.max(np.stack([prefix[order[s]][bounds[:, s + 1]] - prefix[order[s]][bounds[:, s]]
                                  for s in range(S)], axis=1), axis=1)
         # beside the most balanced cuts, those balanced once the slowest link's transfers
-        # are added (a tick waits for what it reads): where little crosses a slow link
+        # are added (a tick waits for what it sends): where little crosses a slow link
         links = np.stack([crossing[where[:, s]] / cluster.link_between(
             islands[order[s]][0], islands[order[s + 1]][0]).beta for s in range(S - 1)], axis=1)
         picked = dict.fromkeys([*np.argsort(worst, kind="stable")[:keep], *(
@@ -248,8 +249,6 @@ class _Evaluator:
         self.leaf = {t: i for i, t in enumerate(graph.inputs[:num_state_leaves])}
         # the partial sums each microbatch adds to: summed in the island after the last one
         self._scans: dict = {}
-        # XLA on CPU runs a collective where it stands; on GPUs it overlaps later work
-        self.overlap = any(c.type != "CPU" for c in cluster.classes)
         self.op_overhead = max(OP_OVERHEAD.get(c.type, OP_OVERHEAD_GPU) for c in cluster.classes)
         self.partials = {t for op in graph.ops if regions.region[op.id] == "micro"
                          for t in op.outputs if layouts[t].kind == "P"}
@@ -350,8 +349,8 @@ class _Evaluator:
         copied = {(a, b): seconds(a, b, copy[a, b]) for a in range(S) for b in range(S)
                   if copy[a, b] > 0}
         head = max([0.0, *copied.values()])
-        ready: dict = {}  # on GPUs the copies run under the first ticks, on their links
-        for (a, b), t in copied.items() if self.overlap else ():
+        ready: dict = {}  # free-running, the copies run under the first works, on their links
+        for (a, b), t in copied.items() if self.free_running else ():
             key = ("F", b - 1) if a < b else ("B", b)
             ready[key] = ready.get(key, 0.0) + t
         cap = [min(cluster.classes[cluster.class_of(d)].memory for d in devs) for devs in islands]
@@ -367,8 +366,7 @@ class _Evaluator:
                       for s in range(S)]
         try:
             def run(x):
-                return x if self.free_running else lockstep(x, fwd, bwd, fw, bw,
-                                                            overlap=self.overlap, ready=ready)
+                return x if self.free_running else lockstep(x, fwd, bwd, fw, bw)
             sch = run(schedule(kind, fwd, bwd, M, fw, bw, memory_cap=memory_cap,
                                cost=lambda x: run(x).makespan,
                                ready=ready if self.free_running else None))
@@ -378,13 +376,13 @@ class _Evaluator:
         for s in range(S):
             recv = sum(seconds(a, s, once[a, s]) for a in range(S) if a != s)
             tail.append(sync[s] + recv + whole[s])
-        if self.overlap:  # a stage sums and sends its part once its own last work is done
+        if self.free_running:  # a stage sums and sends its part once its own last work is done
             done = [max([0.0] + [x.end for x in sch.slots if x.stage == s]) + sync[s]
                     for s in range(S)]
             step = max(max([done[s]] + [done[a] + seconds(a, s, once[a, s])
                                         for a in range(S) if a != s]) + whole[s]
                        for s in range(S))
-        else:  # XLA on CPU: the copies first, the once-per-step rounds after every tick
+        else:  # as lowered: the copies before the tick loop, the once-per-step rounds after it
             step = head + sch.makespan + max(tail)
         memory = tuple(fixed[s] + (sch.in_flight[s] + 1) * per_micro[s] for s in range(S))
         fits = all(m <= c for m, c in zip(memory, cap))
@@ -392,62 +390,27 @@ class _Evaluator:
                         tuple(tail), head, tuple(fw), tuple(bw), memory, fits, rows)
 
 
-#: Tick tables tried per schedule: a transfer taking `T` seconds puts its reader
-#: `T // (scale * median work)` ticks later than the next (None: the next tick).
-LAG_SCALES = (None, 2.0, 1.0, 0.5)
-
-
-def lockstep(sch: PipeSchedule, fwd, bwd, send, send_back, overlap: bool = True,
-             ready=None) -> PipeSchedule:
+def lockstep(sch: PipeSchedule, fwd, bwd, send, send_back) -> PipeSchedule:
     """`sch` as the lowering runs it: a table of ticks (`ticks`), each tick's work in one
-    switch on every device, so a tick starts when the previous one's longest work ends.
-    Transfers follow the work that makes them, one at a time per link and direction;
-    with `overlap` (asynchronous collectives, as XLA schedules them on GPUs) a transfer
-    runs under later ticks and only the tick reading it waits for it, so tables whose
-    readers of a slow transfer sit further on are tried too (`LAG_SCALES`) and the
-    fastest kept; without (XLA on CPU runs a collective where it stands) each tick also
-    waits for its transfers. `ready`: per link direction, when what was sent over it
-    before the first tick (parameter copies) has arrived; a stage's first tick waits for
-    what comes to it."""
+    switch on every device, then what it made crossing to its readers by `ppermute` in
+    the same iteration of the tick loop (the next iteration reads the mailboxes the
+    transfers fill, so no transfer runs under later work, on GPUs either): a tick lasts
+    its longest work plus its longest transfer, a link direction carrying one message
+    at a time."""
     S = sch.stages
-    work = sorted([*fwd, *bwd])
-    tick = max(work[len(work) // 2], 1e-12)
-    best = None
-    for scale in LAG_SCALES if overlap else (None,):
-        lag = {} if scale is None else (
-            {("F", s): int(send[s] // (scale * tick)) for s in range(S - 1)}
-            | {("B", s): int(send_back[s] // (scale * tick)) for s in range(S - 1)})
-        run = _lockstep(sch, ticks(sch, lag), fwd, bwd, send, send_back, overlap, ready or {})
-        if best is None or run.makespan < best.makespan * (1 - 1e-12):
-            best = run
-    return best
-
-
-def _lockstep(sch, rows, fwd, bwd, send, send_back, overlap, ready) -> PipeSchedule:
-    S = sch.stages
-    slots, arrive, link_free = [], {}, dict(ready)
-    copied = arrived(ready, S)
-    end, begun = 0.0, set()
+    rows = ticks(sch)
+    slots, end = [], 0.0
     for t in sorted({r[0] for r in rows}):
         work = [(s, m, ph) for tt, s, m, ph in rows if tt == t]
-        start = max([end] + [arrive.get((ph, s, m), 0.0) for s, m, ph in work]
-                    + [copied[s] for s, _, _ in work if s not in begun])
-        begun |= {s for s, _, _ in work}
         length = [fwd[s] if ph == "F" else bwd[s] for s, _, ph in work]
-        end = start + max(length)
-        slots += [Slot(s, m, ph, start, start + d) for (s, m, ph), d in zip(work, length)]
-        moved = end
-        for s, m, ph in work:  # what this tick sends, in order on each link direction
+        slots += [Slot(s, m, ph, end, end + d) for (s, m, ph), d in zip(work, length)]
+        moved: dict = {}  # per link direction, its messages this tick one after another
+        for s, _, ph in work:
             if ph == "F" and s < S - 1:
-                key, dur, dst = ("F", s), send[s], ("F", s + 1, m)
+                moved[("F", s)] = moved.get(("F", s), 0.0) + send[s]
             elif ph == "B" and s > 0:
-                key, dur, dst = ("B", s - 1), send_back[s - 1], ("B", s - 1, m)
-            else:
-                continue
-            arrive[dst] = link_free[key] = max(end, link_free.get(key, 0.0)) + dur
-            moved = max(moved, arrive[dst])
-        if not overlap:
-            end = moved
+                moved[("B", s - 1)] = moved.get(("B", s - 1), 0.0) + send_back[s - 1]
+        end += max(length) + max([0.0, *moved.values()])
     return PipeSchedule(sch.kind, S, sch.micros, tuple(slots), end, sch.in_flight, sch.depths,
                         tuple(rows))
 
