@@ -399,9 +399,12 @@ def lockstep(sch: PipeSchedule, fwd, bwd, send, send_back) -> PipeSchedule:
     at a time."""
     S = sch.stages
     rows = ticks(sch)
+    by_tick: dict = {}
+    for t, s, m, ph in rows:
+        by_tick.setdefault(t, []).append((s, m, ph))
     slots, end = [], 0.0
-    for t in sorted({r[0] for r in rows}):
-        work = [(s, m, ph) for tt, s, m, ph in rows if tt == t]
+    for t in sorted(by_tick):
+        work = by_tick[t]
         length = [fwd[s] if ph == "F" else bwd[s] for s, _, ph in work]
         slots += [Slot(s, m, ph, end, end + d) for (s, m, ph), d in zip(work, length)]
         moved: dict = {}  # per link direction, its messages this tick one after another
