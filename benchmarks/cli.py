@@ -1,4 +1,4 @@
-"""`hapsynth bench overhead|hetero|pipeline`: `hapsynth.cli` parses the command and calls `bench`."""
+"""`hapsynth bench overhead|hetero|pipeline|overlap`: `hapsynth.cli` parses the command and calls `bench`."""
 from __future__ import annotations
 
 import json
@@ -19,8 +19,14 @@ def bench(kind: str, model: str | None = None, config: str | None = None,
                                  reps=reps or 8, link=None if link in (None, "none") else link)
         print(json.dumps(row, indent=1) if as_json else pipeline_bench.format_row(row))
         return 0
+    if kind == "overlap":
+        from hapsynth_bench import overlap
+
+        row = overlap.run(None if link in (None, "none") else link, reps=reps or 7)
+        print(json.dumps(row, indent=1) if as_json else overlap.format_row(row))
+        return 0
     if kind != "hetero":
-        raise ValueError(f"no benchmark {kind!r} (overhead, hetero, pipeline)")
+        raise ValueError(f"no benchmark {kind!r} (overhead, hetero, pipeline, overlap)")
     from hapsynth_bench import hetero
 
     models = [model + "-" + (config or "tiny")] if model else list(hetero.MODELS)

@@ -153,15 +153,20 @@ def run(model: str = "gpt", config: str = "small", ratio: float = 2.0, reps: int
     if link is None:
         from hapsynth_bench import launch
         return launch.run("hapsynth_bench.pipeline_bench:measure", kwargs, echo=True)
-    with slow_loopback(link) as prefix:
-        out = subprocess.run([*prefix, sys.executable, "-m", "hapsynth_bench.pipeline_bench",
-                              json.dumps(kwargs)], stdout=subprocess.PIPE, text=True,
-                             env={**os.environ})
-    if out.returncode:
-        raise RuntimeError(f"the measurement failed ({out.returncode})")
-    row = json.loads(out.stdout.strip().splitlines()[-1])
+    row = behind_link(link, "hapsynth_bench.pipeline_bench", kwargs)
     row["link_limit"] = link
     return row
+
+
+def behind_link(link: str, module: str, kwargs: dict) -> dict:
+    """`python -m module '<kwargs as JSON>'` run in a namespace whose loopback carries at
+    most `link`; the JSON of its last line."""
+    with slow_loopback(link) as prefix:
+        out = subprocess.run([*prefix, sys.executable, "-m", module, json.dumps(kwargs)],
+                             stdout=subprocess.PIPE, text=True, env={**os.environ})
+    if out.returncode:
+        raise RuntimeError(f"the measurement failed ({out.returncode})")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def format_row(r: dict) -> str:

@@ -191,15 +191,15 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--html", metavar="FILE", help="write the plan's tables as an HTML page")
     pl.set_defaults(func=cmd_plan)
     be = sub.add_parser("bench", help="benchmarks measured side by side (package hapsynth_bench)")
-    be.add_argument("kind", choices=["overhead", "hetero", "pipeline"])
+    be.add_argument("kind", choices=["overhead", "hetero", "pipeline", "overlap"])
     be.add_argument("--model", choices=names(), help="default: gpt (overhead), a set (hetero)")
     be.add_argument("--config", choices=list(CONFIG_NAMES), help="default: tiny")
     be.add_argument("--reps", type=int, help="timed steps per program (default 20 / 8)")
     be.add_argument("--ratios", type=float, nargs="+", default=[2.0, 3.0],
                     help="hetero: fast/slow speed ratios to emulate")
-    be.add_argument("--json", action="store_true", help="hetero, pipeline: print JSON")
+    be.add_argument("--json", action="store_true", help="hetero, pipeline, overlap: print JSON")
     be.add_argument("--link", default="100mbit",
-                    help="pipeline: the emulated link between the two islands, a tc rate "
+                    help="pipeline, overlap: the emulated link between the two processes, a tc rate "
                          "(default 100mbit; 'none' for the plain loopback; needs root)")
     be.set_defaults(func=cmd_bench)
     pr = sub.add_parser("profile", help="measure local devices and links, write a cluster TOML")

@@ -119,23 +119,29 @@ def test_keep_buffers_are_reused_once_their_backwards_ran():
         assert (pool < len(forwards)) == reuse and pool >= 1
 
 
+ONE = {(ph, s): 1 for ph in "FB" for s in range(2)}
+
+
 @pytest.mark.parametrize("kind", SCHEDULES)
-@pytest.mark.parametrize("lag", [{}, {("F", 0): 2, ("B", 1): 3}])
-def test_tick_tables_deliver_every_message_and_keep(kind, lag):
+@pytest.mark.parametrize("lag,delay", [({}, 0), ({("F", 0): 2, ("B", 1): 3}, 0), (ONE, 1),
+                                       ({**ONE, ("F", 0): 2, ("B", 1): 3}, 1)])
+def test_tick_tables_deliver_every_message_and_keep(kind, lag, delay):
     """Run the loop's tables as a machine with slots: every backward reads the keep
     buffer its own forward wrote, and every reader finds in its mailbox slot the
-    message it waits for (none overwritten first), with fewer slots than messages."""
+    message it waits for (none overwritten first), with fewer slots than messages; a
+    message is stored `delay` ticks after the tick that made it (after that tick's reads)."""
     from hapsynth.lower.ticks import B, F, IDLE, tick_tables
     sch = schedule(kind, [1.0, 2.0, 1.5], [2.0, 4.0, 3.0], 6, [0.5, 0.2], [0.5, 0.2])
     rows = ticks(sch, lag)
     # forwards send on to the next stage's forward and to its backward (a skip); backwards
     # send back to the previous stage's backward; stage 2 keeps nothing
     chans = {(1, "F"): {0: ["F", "B"], 1: ["F"]}, (-1, "B"): {1: ["B"], 2: ["B"]}}
-    tb = tick_tables(rows, 3, [True, True, False], chans)
-    assert tb.ticks == len({r[0] for r in rows})
+    tb = tick_tables(rows, 3, [True, True, False], chans, delay)
+    last = max(r[0] for r in rows)
+    assert tb.ticks == (last + 1 if delay else len({r[0] for r in rows}))
     pool = np.full((tb.keep_slots + 1, 3), -1)  # (+ 1: writing at "none" would show)
     mail = {c: np.full((tb.mail_slots[c] + 1, 3, 2), -1) for c in chans}
-    sent = 0
+    sent, made = 0, {}
     for i in range(tb.ticks):
         for s in range(3):
             ph, m = tb.phase[i, s], tb.micro[i, s]
@@ -154,13 +160,18 @@ def test_tick_tables_deliver_every_message_and_keep(kind, lag):
                 assert tb.keep_out[i, s] == tb.keep_slots  # none
             for (d, pha), senders in chans.items():
                 if ph != IDLE and "FB"[ph - 1] == pha and s in senders:
-                    assert tb.mail_out[(d, pha)][i, s + d] < tb.mail_slots[(d, pha)]
-                    mail[(d, pha)][tb.mail_out[(d, pha)][i, s + d], s + d] = (s, m)
-                    sent += 1
-    assert sum(tb.mail_slots.values()) < sent
+                    made.setdefault(i + delay, []).append((d, pha, s, m))
+        for d, pha, s, m in made.pop(i, []):
+            assert tb.mail_out[(d, pha)][i, s + d] < tb.mail_slots[(d, pha)]
+            mail[(d, pha)][tb.mail_out[(d, pha)][i, s + d], s + d] = (s, m)
+            sent += 1
+    assert not made and sum(tb.mail_slots.values()) < sent
     for c in chans:  # a receiver stores nothing at ticks its sender sent it nothing
         assert (tb.mail_out[c] < tb.mail_slots[c]).sum() == sum(
             1 for t, s, m, ph in rows if ph == c[1] and s in chans[c])
+    if delay:  # a table whose readers sit right after the sender's tick cannot be sent late
+        with pytest.raises(ValueError, match="not after it arrived"):
+            tick_tables(ticks(sch, {}), 3, [True, True, False], chans, delay)
 
 
 def test_readers_of_a_slow_transfer_may_sit_ticks_later():
@@ -182,9 +193,11 @@ def test_readers_of_a_slow_transfer_may_sit_ticks_later():
     for m in range(p["micros"]):
         assert at[(1, m, "F")] >= at[(0, m, "F")] + 3 and at[(0, m, "B")] >= at[(1, m, "B")] + 4
     assert max(r[0] for r in lagged) > max(r[0] for r in plain)
-    again = replace(plan, pipeline={**p, "table": [list(r) for r in lagged]})
-    par = hs.parallelize(step, cluster=two_islands(), plan=again)
-    compare(hs.gather(par(*args)), jax.jit(step)(*args), rtol=2e-3)
+    want = jax.jit(step)(*args)
+    for delay in (0, 1):  # sent in the tick that made it, or during the next one
+        again = replace(plan, pipeline={**p, "table": [list(r) for r in lagged], "delay": delay})
+        par = hs.parallelize(step, cluster=two_islands(), plan=again)
+        compare(hs.gather(par(*args)), want, rtol=2e-3)
 
 
 def _program_text(par, args) -> str:
@@ -226,22 +239,95 @@ def test_the_program_does_not_grow_with_its_ticks():
 
 @pytest.mark.slow
 def test_only_the_stages_sending_cross_a_link():
-    """Per tick and shift, the program's `ppermute` pairs are the stages sending then (a
-    tick where none does moves nothing: no zeros cross a slow link)."""
+    """Sent in the tick that made it: per tick and shift, the program's `ppermute` pairs
+    are the stages sending then (a tick where none does moves nothing)."""
+    from dataclasses import replace
     step, args = get("mlp", "tiny")
-    par = hs.parallelize(step, cluster=two_islands(), pipeline=True, time_limit=1)
+    plan = hs.parallelize(step, cluster=two_islands(), pipeline=True, time_limit=1).plan(*args)
+    plan = replace(plan, pipeline={**plan.pipeline, "delay": 0})
+    par = hs.parallelize(step, cluster=two_islands(), plan=plan)
     low = par.lowered(*args)
-    table = par.plan(*args).pipeline["table"]
+    table = plan.pipeline["table"]
     order = sorted({r[0] for r in table})
     seen_empty = False
     for d in sorted(low.wire_sizes):
-        index, patterns = low._senders(d)
+        index, patterns, _ = low._senders(d)
         for i, t in enumerate(order):
             want = sorted((s, s + d) for tt, s, m, ph in table if tt == t
                           and s in low.chan_pack.get((d, ph), {}))
             assert list(patterns[index[i]]) == want
             seen_empty |= not want
     assert seen_empty  # e.g. the first tick: no cotangent comes back yet
+
+
+def _subs(eqn):
+    """The jaxprs inside an eqn (a call's, a loop's, a switch's branches, shard_map's)."""
+    out = []
+    for v in eqn.params.values():
+        for j in v if isinstance(v, (tuple, list)) else (v,):
+            j = getattr(j, "jaxpr", j)
+            if hasattr(j, "eqns"):
+                out.append(j)
+    return out
+
+
+def _holds(eqn, name) -> bool:
+    return eqn.primitive.name == name or any(_holds(e, name) for j in _subs(eqn) for e in j.eqns)
+
+
+def _tick_loop(jaxpr):
+    """The body of the loop over ticks (a `fori_loop`: a scan or a while loop, holding the
+    work's switch)."""
+    for eqn in jaxpr.eqns:
+        body = {"scan": "jaxpr", "while": "body_jaxpr"}.get(eqn.primitive.name)
+        if body and any(_holds(e, "cond") for e in eqn.params[body].jaxpr.eqns):
+            return eqn.params[body].jaxpr
+        for j in _subs(eqn):
+            got = _tick_loop(j)
+            if got is not None:
+                return got
+    return None
+
+
+def test_a_message_crosses_beside_the_next_ticks_work():
+    """Sent a tick late (`delay` 1): in the tick
+    loop's body every `ppermute` sits outside the work's switch and reads nothing the
+    switch makes, so an asynchronous collective can run under the work; sent in its own
+    tick (`delay` 0), the crossings sit in a switch after the work. Both equal `jit`."""
+    from dataclasses import replace
+
+    from test_lowering import compare
+    step, args = get("mlp", "tiny")
+    plan = hs.parallelize(step, cluster=two_islands("1Gbps"), pipeline=True,
+                          time_limit=1).plan(*args)
+    want = jax.jit(step)(*args)
+    lagged = [list(r) for r in ticks(plan.schedule(), {("F", 0): 1, ("B", 0): 1})]
+    for delay in (1, 0):
+        again = replace(plan, pipeline={**plan.pipeline, "delay": delay, "table": lagged})
+        assert ("cross during the next tick's work" in again.summary()) == bool(delay)
+        par = hs.parallelize(step, cluster=two_islands("1Gbps"), plan=again)
+        compare(hs.gather(par(*args)), want, rtol=2e-3)
+        low = par.lowered(*args)
+        fn, seen = low._fn, {}
+        low._fn = lambda *xs: seen.setdefault("args", xs) and fn(*xs)
+        try:
+            par(*args)
+        finally:
+            low._fn = fn
+        body = _tick_loop(jax.make_jaxpr(fn)(*seen["args"]).jaxpr)
+        made = {id(v): e for e in body.eqns for v in e.outvars}
+
+        def upstream(e, seen_ids):
+            for v in e.invars:
+                p = made.get(id(v))
+                if p is not None and id(p) not in seen_ids:
+                    seen_ids.add(id(p))
+                    yield p
+                    yield from upstream(p, seen_ids)
+        sends = [e for e in body.eqns if e.primitive.name == "ppermute"]
+        assert bool(sends) == bool(delay)
+        for e in sends:
+            assert not any(_holds(p, "cond") for p in upstream(e, set()))
 
 
 def test_islands_are_cut_into_equal_stages():
@@ -535,35 +621,63 @@ def test_no_fitting_plan_names_the_class_on_one_island():
         hs.parallelize(step, cluster=tiny, time_limit=1).plan(*args)
 
 
-def test_ticks_are_priced_as_the_loop_runs_them_on_gpus_too():
-    """The lowering's tick loop sends what a tick made inside that tick (the next tick
-    reads the mailboxes the transfers fill), copies the parameters a stage reads but does
-    not store before the loop and sums after it: on GPUs as on CPUs, a tick lasts its
-    longest work plus its longest transfer, and the step adds the copies and the
-    once-per-step work (the tied embedding's copy and gradient here)."""
-    from hapsynth.synth.pipeline import _Costs, _Evaluator
+def test_ticks_are_priced_as_the_loop_runs_them():
+    """Sent in the tick that made it (XLA's CPU runtime, which runs ops one after
+    another): a tick lasts its longest work plus its longest transfer. Sent a tick late
+    beside the next tick's work (GPUs' asynchronous collectives): every tick lasts its
+    longest work or the carried crossing (every pair, one shift after the other),
+    whichever is longer, and readers sit a tick later; GPU clusters get the cheaper of the
+    two. Either way the step adds the parameter copies before the loop and the
+    once-per-step work after it (the tied embedding's copy and gradient here)."""
+    from hapsynth.synth.pipeline import _Costs, _Evaluator, lockstep
     step, args = get("gpt", "tiny")
     cluster = two_islands("1Gbps")
     assert all(c.type != "CPU" for c in cluster.classes)
     graph, dp, r, n = _regions(step, args, cluster)
     parts, _ = stage_parts(cluster)
     cut = (r.cut_points()[len(r.cut_points()) // 2],)
-    ev = _Evaluator(graph, cluster, r, n, _Costs(graph, cluster, r, parts), dp.tensor_layouts)
+    costs = _Costs(graph, cluster, r, parts)
+    ev = _Evaluator(graph, cluster, r, n, costs, dp.tensor_layouts)
+    assert ev.overlaps
     p = ev.price((0, 1), cut, 4, "1f1b")
-    assert p.head > 0 and max(p.tail) > 0 and p.send[0] > 0 and p.send_back[0] > 0
+    ev.overlaps = False  # as on CPUs
+    p0 = ev.price((0, 1), cut, 4, "1f1b")
+    assert p0.delay == 0 and p0.head > 0 and max(p0.tail) > 0
+    assert p0.send[0] > 0 and p0.send_back[0] > 0
     want = 0.0
-    for t in sorted({row[0] for row in p.schedule.ticks}):
-        work = [(s, ph) for tt, s, _, ph in p.schedule.ticks if tt == t]
-        keys = {(s, m, ph) for tt, s, m, ph in p.schedule.ticks if tt == t}
-        starts = [x.start for x in p.schedule.slots if (x.stage, x.micro, x.phase) in keys]
+    for t in sorted({row[0] for row in p0.schedule.ticks}):
+        work = [(s, ph) for tt, s, _, ph in p0.schedule.ticks if tt == t]
+        keys = {(s, m, ph) for tt, s, m, ph in p0.schedule.ticks if tt == t}
+        starts = [x.start for x in p0.schedule.slots if (x.stage, x.micro, x.phase) in keys]
         assert len(starts) == len(work) and starts == pytest.approx([want] * len(work))
-        want += max(p.forward[s] if ph == "F" else p.backward[s] for s, ph in work)
-        want += max([0.0] + [p.send[s] for s, ph in work if ph == "F" and s == 0]
-                    + [p.send_back[0] for s, ph in work if ph == "B" and s == 1])
-    assert p.schedule.makespan == pytest.approx(want)
-    assert p.step == pytest.approx(p.head + p.schedule.makespan + max(p.tail))
-    first = min((x for x in p.schedule.slots if x.stage == 1), key=lambda x: x.start)
-    assert first.start == pytest.approx(p.forward[0] + p.send[0])  # the copy came before
+        want += max(p0.forward[s] if ph == "F" else p0.backward[s] for s, ph in work)
+        want += max([0.0] + [p0.send[s] for s, ph in work if ph == "F" and s == 0]
+                    + [p0.send_back[0] for s, ph in work if ph == "B" and s == 1])
+    assert p0.schedule.makespan == pytest.approx(want)
+    assert p0.step == pytest.approx(p0.head + p0.schedule.makespan + max(p0.tail))
+    first = min((x for x in p0.schedule.slots if x.stage == 1), key=lambda x: x.start)
+    assert first.start == pytest.approx(p0.forward[0] + p0.send[0])  # the copy came before
+
+    wire = p.send[0] + p.send_back[0]
+    late = lockstep(schedule("1f1b", p.forward, p.backward, 4, p.send, p.send_back),
+                    p.forward, p.backward, p.send, p.send_back, wire)
+    at = {(s, m, ph): t for t, s, m, ph in late.ticks}
+    for (s, m, ph), t in at.items():
+        if ph == "F" and s == 1:
+            assert t >= at[(0, m, "F")] + 2
+        if ph == "B" and s == 0:
+            assert t >= at[(1, m, "B")] + 2
+    want = sum(max([wire] + [p.forward[s] if ph == "F" else p.backward[s]
+                             for tt, s, _, ph in late.ticks if tt == t])
+               for t in range(max(at.values()) + 1))
+    assert late.makespan == pytest.approx(want)
+    assert p.delay == (late.makespan < p0.schedule.makespan)
+    assert p.step == pytest.approx(p.head + min(late.makespan, p0.schedule.makespan) + max(p.tail))
+    # with the microbatches in flight that fill the longer round trip, sending late pays
+    on_cpu = ev.price((0, 1), cut, 8, "hetero-1f1b")
+    ev.overlaps = True
+    q = ev.price((0, 1), cut, 8, "hetero-1f1b")
+    assert q.delay == 1 and on_cpu.delay == 0 and q.step < on_cpu.step
 
 
 def test_free_running_pricing_drops_only_the_lock_step():

@@ -6,9 +6,11 @@ only its stage. The step is a static table of ticks (`synth.pipeline.ticks`), ru
 one `fori_loop` whose body is the same at every tick, so the program does not grow with
 the microbatches; what differs per tick is data (`lower/ticks.py`). At each tick every
 device runs its stage's work in a `lax.switch` on its group (stage and row count: a
-stage mixing classes holds uneven rows) and phase (forward, backward, idle), then
-values cross stages by `ppermute` outside the switch, one wire per shift between
-stages, and wait in the receiver's mailbox (a slot per message in flight) until read.
+stage mixing classes holds uneven rows) and phase (forward, backward, idle); values
+cross stages by `ppermute` outside the switch, one wire per shift between stages,
+either after the work that made them or (the plan's `delay` 1) during the next tick's
+work, which they do not depend on, and wait in the receiver's mailbox (a slot per
+message in flight) until read.
 What a forward keeps for its backward goes into a pool of slots that every step
 receives and returns (donated), a slot reused once the backward reading it has run.
 Pool and mailboxes enter the switch whole and read-only and are written outside it,
@@ -175,10 +177,13 @@ class Pipelined:
         # a receiver holding other rows than its sender gathers every sender's chunk
         self.chunked = {d: any(self.rows[a] != self.rows[a + d] for (e, _), ps in
                                self.chan_pack.items() if e == d for a in ps) for d in shifts}
+        # a message crosses in the tick that made it, or (delay 1) during the next tick's
+        # work, on every pair its shift may use, so the two can run side by side
+        self.delay = int(self.plan.pipeline.get("delay", 0))
         self.tables = tick_tables(
             self.plan.pipeline["table"], self.S, [bool(self.keeps[s]) for s in range(self.S)],
             {c: {a: sorted({key[1] for key in p.slots}) for a, p in ps.items()}
-             for c, ps in self.chan_pack.items()})
+             for c, ps in self.chan_pack.items()}, self.delay)
         self.keep_buffers = self.tables.keep_slots
         # accumulated per phase: a forward adds to its sums only (a loss), a backward to
         # its own (gradients), so neither moves the other's buffer
@@ -347,7 +352,7 @@ class Pipelined:
         na = {ph: len(self.acc_sizes[ph]) for ph in "FB"}
 
         def tick(i, carry):
-            acc, pool, mail = carry
+            acc, pool, mail, made = carry
             m = micro[i, sidx]
             # the pool and mailboxes are read whole (a branch takes its slots) and written
             # outside the switch, in place; the branches close over them (a hook repeating
@@ -384,31 +389,38 @@ class Pipelined:
                 acc, pool, outs = lax.cond(kind[i, sidx] == 1, keeping, other, acc, pool)
             else:
                 acc, pool, outs = other(acc, pool)
+            if self.delay:  # what the last tick made crosses, independent of this tick's work
+                outs, made = made, tuple(outs)
             mail, k = dict(mail), 0
             for d in shifts:
                 n = len(self.wire_sizes[d])
                 got = tuple(outs[k:k + n])
                 k += n
-                # only the stages sending this tick: a tick with none sends nothing (the
-                # pattern is the same on every device, so each takes the same branch)
-                got = dict(zip(self.wire_sizes[d], lax.switch(
-                    jnp.asarray(senders[d][0])[i],
-                    [functools.partial(self._cross, d, pairs) for pairs in senders[d][1]],
-                    *got)))
+                if self.delay:
+                    got = dict(zip(self.wire_sizes[d], self._cross(d, senders[d][2], *got)))
+                else:
+                    # only the stages sending this tick: a tick with none sends nothing (the
+                    # pattern is the same on every device, so each takes the same branch)
+                    got = dict(zip(self.wire_sizes[d], lax.switch(
+                        jnp.asarray(senders[d][0])[i],
+                        [functools.partial(self._cross, d, pairs) for pairs in senders[d][1]],
+                        *got)))
                 for c in [c for c in chans if c[0] == d]:
                     at = mail_out[c][i, sidx]
                     new = tuple(got[kd][..., :n] for kd, n in self.chan_sizes[c].items())
                     mail[c] = lax.cond(at < tb.mail_slots[c], lambda bufs, new=new, at=at: tuple(
                         lax.dynamic_update_index_in_dim(b, v, at, 0) for b, v in zip(bufs, new)),
                         lambda bufs: bufs, mail[c])
-            return acc, pool, mail
+            return acc, pool, mail, made
 
         acc = {ph: tuple(jnp.zeros((n,), k) for k, n in self.acc_sizes[ph].items())
                for ph in "FB"}
         mail = {c: tuple(jnp.zeros((tb.mail_slots[c],) + ((self.D,) if self.chunked[c[0]]
                                                          else ()) + (n,), k)
                          for k, n in self.chan_sizes[c].items()) for c in chans}
-        acc, pool, _ = lax.fori_loop(0, tb.ticks, tick, (acc, pool, mail))
+        made = tuple(jnp.zeros((n,), k) for d in shifts for k, n in self.wire_sizes[d].items()) \
+            if self.delay else ()
+        acc, pool, _, _ = lax.fori_loop(0, tb.ticks, tick, (acc, pool, mail, made))
 
         # 3. once per step: sums over the stage's devices, then the stages' remaining ops
         acc = {ph: tuple(lax.psum(a, DATA) for a in bufs) for ph, bufs in acc.items()}
@@ -449,14 +461,16 @@ class Pipelined:
 
     def _senders(self, d) -> tuple:
         """Per tick, which pattern of stages sends on shift `d` (an index into the
-        patterns), and the patterns as (sender, receiver) pairs."""
+        patterns), the patterns as (sender, receiver) pairs, and every pair sending on it
+        at some tick."""
         tb, pats = self.tables, {}
         index = np.zeros(tb.ticks, np.int32)
         for i in range(tb.ticks):
             pairs = tuple((a, a + d) for a in range(self.S) if tb.phase[i, a]
                           and a in self.chan_pack.get((d, "FB"[tb.phase[i, a] - 1]), {}))
             index[i] = pats.setdefault(pairs, len(pats))
-        return index, list(pats)
+        every = tuple(sorted({p for pairs in pats for p in pairs}))
+        return index, list(pats), every
 
     def _cross(self, d, pairs, *bufs):
         """What stages `pairs` send on shift d, as their receivers get it (gathered over

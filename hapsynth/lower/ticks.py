@@ -60,11 +60,14 @@ def keep_pool(table, keeps) -> dict:
     return slot
 
 
-def tick_tables(table, stages: int, keeps, channels) -> TickTables:
+def tick_tables(table, stages: int, keeps, channels, delay: int = 0) -> TickTables:
     """`table`: (tick, stage, microbatch, "F"/"B") rows; `keeps[s]`: whether stage s's
     forward keeps values for its backward; `channels[(d, phase)]`: per sending stage, the
-    phases of stage `sender + d` that read what it sends."""
-    order = sorted({row[0] for row in table})
+    phases of stage `sender + d` that read what it sends; `delay`: ticks between making a
+    message and its crossing (it is stored at the end of tick `made + delay`)."""
+    # ticks where no stage works are dropped, unless a message crosses in them (delay)
+    order = sorted({row[0] for row in table}) if not delay else list(
+        range(max(row[0] for row in table) + 1))
     at = {t: i for i, t in enumerate(order)}
     T, S = len(order), stages
     phase = np.zeros((T, S), np.int32)
@@ -96,10 +99,10 @@ def tick_tables(table, stages: int, keeps, channels) -> TickTables:
             b = s + d
             reads = [(b, m, phb) for phb in senders[s]]
             ticks = [when[r] for r in reads]
-            if min(ticks) <= i:
+            if min(ticks) <= i + delay:
                 raise ValueError(f"stage {b} reads microbatch {m}'s {pha} message from stage "
-                                 f"{s} at tick {min(ticks)}, not after it was sent ({i})")
-            events.append((i, max(ticks), b, reads))
+                                 f"{s} at tick {min(ticks)}, not after it arrived ({i + delay})")
+            events.append((i + delay, max(ticks), b, reads))
         win = np.full((T, S), -1, np.int32)
         wout = np.full((T, S), -1, np.int32)
         used = 0

@@ -6,8 +6,9 @@ parallel inside its devices at FLOP/s-proportional rows (uneven
 where the island mixes classes). Priced per microbatch: every stage's forward and
 backward at its rows; each tensor crossing a boundary over the link between the two
 islands; the schedule simulated (`pipeschedule.py`) for its order, then priced in lock step
-as the lowering runs it (`lockstep`: a tick lasts its longest work and then its
-longest transfer). Once per step: the
+as the lowering runs it (`lockstep`: a tick lasts its longest work and then its longest
+transfer, or, sending a tick late beside the next work where collectives run
+asynchronously, the longer of the two). Once per step: the
 parameters a stage reads but does not store (tied embeddings) are copied before the
 first tick; after the last tick each stage all-reduces its gradients inside its island,
 receives the sums other stages made for its parameters, and runs its optimizer. Memory per device: its
@@ -64,6 +65,7 @@ class Pipeline:
     fits: bool
     rows: tuple[tuple[int, ...], ...]  # per stage, per device: rows of each microbatch
     by_kind: dict = field(default_factory=dict)  # schedule kind -> step at this point
+    delay: int = 0                   # ticks between making a message and sending it (`lockstep`)
 
 
 def islands_of(cluster: Cluster) -> list[tuple[int, ...]]:
@@ -243,6 +245,9 @@ class _Evaluator:
     def __init__(self, graph, cluster, regions, num_state_leaves, costs, layouts,
                  free_running=False):
         self.free_running = free_running
+        # collectives run beside independent work (XLA's async collectives on GPUs; XLA's
+        # CPU runtime runs a step's ops one after another)
+        self.overlaps = all(c.type != "CPU" for c in cluster.classes)
         self.g, self.cluster, self.r, self.costs = graph, cluster, regions, costs
         self.nstate = num_state_leaves
         self.producer = {t: op.id for op in graph.ops for t in op.outputs}
@@ -336,11 +341,16 @@ class _Evaluator:
         def seconds(a, b, nbytes, scale=1):
             return 0.0 if nbytes <= 0 else link(a, b).alpha + scale * nbytes / link(a, b).beta
 
-        fw, bw = [], []
-        for s in range(S - 1):  # a transfer past the next stage is priced on its last hop
-            scale = 1 if direct[s] else len(islands[s])
-            fw.append(seconds(s, s + 1, sum(send[a, s + 1, 0] for a in range(s + 1)), scale))
-            bw.append(seconds(s + 1, s, sum(send[b, s, 1] for b in range(s + 1, S)), scale))
+        # per boundary, bytes each way (a transfer past the next stage priced on its last hop)
+        fbytes = [sum(send[a, s + 1, 0] for a in range(s + 1)) for s in range(S - 1)]
+        bbytes = [sum(send[b, s, 1] for b in range(s + 1, S)) for s in range(S - 1)]
+        scale = [1 if direct[s] else len(islands[s]) for s in range(S - 1)]
+        fw = [seconds(s, s + 1, fbytes[s], scale[s]) for s in range(S - 1)]
+        bw = [seconds(s + 1, s, bbytes[s], scale[s]) for s in range(S - 1)]
+        # a tick's crossing when the lowering sends it during the next tick (`lockstep`):
+        # every pair of a shift crosses, each with the widest message; one shift after the other
+        wire = max([0.0] + [seconds(s, s + 1, max(fbytes), scale[s]) for s in range(S - 1)]) + \
+            max([0.0] + [seconds(s + 1, s, max(bbytes), scale[s]) for s in range(S - 1)])
         copy = np.zeros((S, S))  # parameter bytes a -> b before the first tick (one buffer)
         for s in range(S):
             for p in needs[s]:
@@ -364,14 +374,19 @@ class _Evaluator:
         fixed = [state[s] + acc[s] for s in range(S)]
         memory_cap = [max(1, int((cap[s] - fixed[s]) // per_micro[s])) - 1 if per_micro[s] else M
                       for s in range(S)]
-        try:
-            def run(x):
-                return x if self.free_running else lockstep(x, fwd, bwd, fw, bw)
-            sch = run(schedule(kind, fwd, bwd, M, fw, bw, memory_cap=memory_cap,
-                               cost=lambda x: run(x).makespan,
-                               ready=ready if self.free_running else None))
-        except RuntimeError:
-            return None
+        sch, delay = None, 0
+        for late in (0, 1) if self.overlaps and not self.free_running and S > 1 else (0,):
+            def run(x, late=late):
+                return x if self.free_running else lockstep(x, fwd, bwd, fw, bw,
+                                                            wire if late else None)
+            try:
+                got = run(schedule(kind, fwd, bwd, M, fw, bw, memory_cap=memory_cap,
+                                   cost=lambda x, run=run: run(x).makespan,
+                                   ready=ready if self.free_running else None))
+            except RuntimeError:
+                return None
+            if sch is None or got.makespan < sch.makespan:
+                sch, delay = got, late
         tail, sync = [], [all_reduce(cluster, acc[s], islands[s]) for s in range(S)]
         for s in range(S):
             recv = sum(seconds(a, s, once[a, s]) for a in range(S) if a != s)
@@ -387,26 +402,33 @@ class _Evaluator:
         memory = tuple(fixed[s] + (sch.in_flight[s] + 1) * per_micro[s] for s in range(S))
         fits = all(m <= c for m, c in zip(memory, cap))
         return Pipeline(tuple(order), tuple(cuts), M, kind, step, sch, tuple(fwd), tuple(bwd),
-                        tuple(tail), head, tuple(fw), tuple(bw), memory, fits, rows)
+                        tuple(tail), head, tuple(fw), tuple(bw), memory, fits, rows,
+                        delay=delay)
 
 
-def lockstep(sch: PipeSchedule, fwd, bwd, send, send_back) -> PipeSchedule:
+def lockstep(sch: PipeSchedule, fwd, bwd, send, send_back, wire=None) -> PipeSchedule:
     """`sch` as the lowering runs it: a table of ticks (`ticks`), each tick's work in one
-    switch on every device, then what it made crossing to its readers by `ppermute` in
-    the same iteration of the tick loop (the next iteration reads the mailboxes the
-    transfers fill, so no transfer runs under later work, on GPUs either): a tick lasts
-    its longest work plus its longest transfer, a link direction carrying one message
-    at a time."""
+    switch on every device. Without `wire`, what a tick made crosses to its readers by
+    `ppermute` after the work, in the same iteration of the tick loop: a tick lasts its
+    longest work plus its longest transfer (a link direction carrying one message at a
+    time). With `wire` (seconds), what a tick made crosses during the next tick, on every
+    pair its shift may use (device runtimes whose collectives run beside independent
+    work: XLA's GPU async collectives): a tick lasts its longest work or `wire`, whichever
+    is longer, and readers across a boundary sit a tick later."""
     S = sch.stages
-    rows = ticks(sch)
+    rows = ticks(sch) if wire is None else ticks(
+        sch, {(ph, s): 1 for ph in "FB" for s in range(S - 1)})
     by_tick: dict = {}
     for t, s, m, ph in rows:
         by_tick.setdefault(t, []).append((s, m, ph))
     slots, end = [], 0.0
-    for t in sorted(by_tick):
-        work = by_tick[t]
+    for t in sorted(by_tick) if wire is None else range(max(by_tick) + 1):
+        work = by_tick.get(t, [])
         length = [fwd[s] if ph == "F" else bwd[s] for s, _, ph in work]
         slots += [Slot(s, m, ph, end, end + d) for (s, m, ph), d in zip(work, length)]
+        if wire is not None:  # a tick without work still carries the last one's messages
+            end += max([wire, *length])
+            continue
         moved: dict = {}  # per link direction, its messages this tick one after another
         for s, _, ph in work:
             if ph == "F" and s < S - 1:
@@ -491,7 +513,8 @@ def as_plan(pipe: Pipeline, dp: Plan, spmd: Plan, cluster: Cluster) -> Plan:
                 "makespan": float(sch.makespan), "bubble": float(sch.bubble()),
                 "head": float(pipe.head), "send": [float(x) for x in pipe.send],
                 "send_back": [float(x) for x in pipe.send_back],
-                "by_kind": {k: float(v) for k, v in pipe.by_kind.items()}}
+                "by_kind": {k: float(v) for k, v in pipe.by_kind.items()},
+                "delay": int(pipe.delay)}
     compute = max(M * (f + b) for f, b in zip(pipe.forward, pipe.backward))
     return replace(
         dp, predicted_step_time=float(pipe.step), chosen="pipeline", ratios=ratios,

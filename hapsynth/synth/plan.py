@@ -160,8 +160,10 @@ class Plan:
         spmd = self.baselines.get("SPMD")
         vs = ("" if spmd is None or spmd != spmd else
               f"; SPMD-only {spmd:.4g} s ({spmd / self.predicted_step_time:.2f}x)")
+        sent = ("during the next tick's work" if p.get("delay") else "after the tick's work")
         out = [f"  pipeline:    {len(self.stages)} stages, {p['micros']} microbatches, "
-               f"{p['schedule']} (bubble {p['bubble']:.0%}; {kinds}){vs}"]
+               f"{p['schedule']} (bubble {p['bubble']:.0%}; {kinds}){vs}; "
+               f"messages cross {sent}"]
         if p.get("unrolled") is not None:
             out.append(f"  written out: loops as layers, the {p['unrolled']} state leaves fed as "
                        f"{self.state_leaves} inputs (layer-stacked ones by rows)")
