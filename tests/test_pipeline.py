@@ -380,12 +380,22 @@ def test_pipeline_true_on_one_island_says_why():
         hs.parallelize(step, cluster="cpu-2-6", pipeline=True, time_limit=1).plan(*args)
 
 
-def _three_steps(step, args, cluster, rtol=2e-3):
+def _three_steps(step, args, cluster, rtol=2e-3, late=False):
+    """3 steps of the pipeline found equal `jit`; `late`: with its messages sent a tick
+    late (readers a tick later), whatever the planner chose."""
+    from dataclasses import replace
+
     from test_lowering import compare
 
     k = state_arity(step, args)
     par = hs.parallelize(step, cluster=cluster, pipeline=True, time_limit=1)
     plan = par.plan(*args)
+    if late:
+        S = len(plan.stages)
+        table = ticks(plan.schedule(), {(ph, s): 1 for ph in "FB" for s in range(S - 1)})
+        plan = replace(plan, pipeline={**plan.pipeline, "delay": 1,
+                                       "table": [list(r) for r in table]})
+        par = hs.parallelize(step, cluster=cluster, plan=plan)
     ref = jax.jit(step)
     got = want = args
     low = par.lowered(*args)
@@ -413,16 +423,19 @@ def _three_steps(step, args, cluster, rtol=2e-3):
 
 
 @pytest.mark.parametrize("model,layout", [
-    ("mlp", "2x4"), ("bert", "4x2"),
+    ("mlp", "2x4"), ("bert", "4x2"), ("bert", "4x2 late"),
     pytest.param("gpt", "2x4", marks=pytest.mark.slow),
     pytest.param("gpt", "4x2", marks=pytest.mark.slow),
+    pytest.param("gpt", "4x2 late", marks=pytest.mark.slow),
     pytest.param("bert", "2x4", marks=pytest.mark.slow)])
 def test_pipelined_zoo_equals_one_device(model, layout):
     """3 steps of the pipelined program equal `jax.jit` on one device; 2 stages of 4
-    devices, or 4 stages with uneven layer counts and uneven rows inside a stage."""
+    devices, or 4 stages with uneven layer counts and uneven rows inside a stage; "late":
+    messages sent during the next tick's work."""
     step, args = get(model, "tiny")
     cluster = two_islands() if layout == "2x4" else four_islands()
-    plan, got = _three_steps(step, args, cluster)
+    plan, got = _three_steps(step, args, cluster, late=layout.endswith("late"))
+    layout = layout.split()[0]
     assert len(plan.stages) == (2 if layout == "2x4" else 4)
     if layout == "4x2":
         assert any(len(set(st["rows"])) > 1 for st in plan.stages)  # uneven inside a stage
