@@ -198,6 +198,9 @@ def test_readers_of_a_slow_transfer_may_sit_ticks_later():
         again = replace(plan, pipeline={**p, "table": [list(r) for r in lagged], "delay": delay})
         par = hs.parallelize(step, cluster=two_islands(), plan=again)
         compare(hs.gather(par(*args)), want, rtol=2e-3)
+    again = replace(plan, pipeline={**p, "table": [list(r) for r in lagged], "delay": 2})
+    with pytest.raises(ValueError, match="not 2 ticks later"):
+        hs.parallelize(step, cluster=two_islands(), plan=again)(*args)
 
 
 def _program_text(par, args) -> str:
@@ -328,6 +331,12 @@ def test_a_message_crosses_beside_the_next_ticks_work():
         assert bool(sends) == bool(delay)
         for e in sends:
             assert not any(_holds(p, "cond") for p in upstream(e, set()))
+        # nor does the work wait for a crossing of its own tick
+        works = [e for e in body.eqns if e.primitive.name == "cond"
+                 and not _holds(e, "ppermute") and _holds(e, "dot_general")]
+        assert works
+        for e in works:
+            assert not any(_holds(p, "ppermute") for p in upstream(e, set()))
 
 
 def test_islands_are_cut_into_equal_stages():
@@ -608,6 +617,8 @@ def test_outputs_besides_the_loss_and_long_skips():
     step, args = _hand_step(skip=True)
     plan, _ = _three_steps(step, args, four_islands())
     assert len(plan.stages) == 4
+    plan, _ = _three_steps(step, args, four_islands(), late=True)  # skips sent a tick late too
+    assert plan.pipeline["delay"] == 1
 
 
 def test_fed_back_state_is_read_leaf_by_leaf():

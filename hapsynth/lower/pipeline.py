@@ -180,6 +180,10 @@ class Pipelined:
         # a message crosses in the tick that made it, or (delay 1) during the next tick's
         # work, on every pair its shift may use, so the two can run side by side
         self.delay = int(self.plan.pipeline.get("delay", 0))
+        if self.delay not in (0, 1):
+            raise ValueError(f"a pipeline plan's messages cross in the tick that made them "
+                             f"(delay 0) or during the next one (delay 1), not {self.delay} "
+                             f"ticks later")
         self.tables = tick_tables(
             self.plan.pipeline["table"], self.S, [bool(self.keeps[s]) for s in range(self.S)],
             {c: {a: sorted({key[1] for key in p.slots}) for a, p in ps.items()}
