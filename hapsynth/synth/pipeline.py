@@ -348,9 +348,15 @@ class _Evaluator:
         fw = [seconds(s, s + 1, fbytes[s], scale[s]) for s in range(S - 1)]
         bw = [seconds(s + 1, s, bbytes[s], scale[s]) for s in range(S - 1)]
         # a tick's crossing when the lowering sends it during the next tick (`lockstep`):
-        # every pair of a shift crosses, each with the widest message; one shift after the other
-        wire = max([0.0] + [seconds(s, s + 1, max(fbytes), scale[s]) for s in range(S - 1)]) + \
-            max([0.0] + [seconds(s + 1, s, max(bbytes), scale[s]) for s in range(S - 1)])
+        # per shift between stages (skips too), every pair that ever sends on it crosses
+        # with the shift's widest message (gathered over the stage's devices first if any
+        # pair splits rows differently); one shift after the other
+        wire = 0.0
+        for d in {b - a for a in range(S) for b in range(S) if a != b and send[a, b].any()}:
+            pairs = [a for a in range(S) if 0 <= a + d < S and send[a, a + d].any()]
+            wide = max(send[a, a + d].max() for a in pairs)
+            gather = any(rows[a] != rows[a + d] for a in pairs)
+            wire += max(seconds(a, a + d, wide, len(islands[a]) if gather else 1) for a in pairs)
         copy = np.zeros((S, S))  # parameter bytes a -> b before the first tick (one buffer)
         for s in range(S):
             for p in needs[s]:
