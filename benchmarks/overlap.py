@@ -30,7 +30,6 @@ def measure(n: int = 1024, kb: int = 512, iters: int = 6, reps: int = 7) -> dict
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-
     devices = jax.devices()
     mesh = Mesh(np.array(devices), ("x",))
     ring = [(i, (i + 1) % len(devices)) for i in range(len(devices))]

@@ -12,7 +12,7 @@ import hapsynth as hs
 from hapsynth.api import state_arity
 from hapsynth.ir import lift_program, trace
 from hapsynth.models import get
-from hapsynth.synth.pipeline import SCHEDULES, stage_parts, ticks
+from hapsynth.synth.pipeline import SCHEDULES, late_ticks, stage_parts, ticks
 from hapsynth.synth.pipeschedule import schedule
 from hapsynth.synth.stages import NotPipelineable, analyse, stage_of
 from hapsynth.synth.synthesize import data_parallel_plan
@@ -304,7 +304,7 @@ def test_a_message_crosses_beside_the_next_ticks_work():
     plan = hs.parallelize(step, cluster=two_islands("1Gbps"), pipeline=True,
                           time_limit=1).plan(*args)
     want = jax.jit(step)(*args)
-    lagged = [list(r) for r in ticks(plan.schedule(), {("F", 0): 1, ("B", 0): 1})]
+    lagged = [list(r) for r in late_ticks(plan.schedule())]
     for delay in (1, 0):
         again = replace(plan, pipeline={**plan.pipeline, "delay": delay, "table": lagged})
         assert ("cross during the next tick's work" in again.summary()) == bool(delay)
@@ -400,10 +400,8 @@ def _three_steps(step, args, cluster, rtol=2e-3, late=False):
     par = hs.parallelize(step, cluster=cluster, pipeline=True, time_limit=1)
     plan = par.plan(*args)
     if late:
-        S = len(plan.stages)
-        table = ticks(plan.schedule(), {(ph, s): 1 for ph in "FB" for s in range(S - 1)})
-        plan = replace(plan, pipeline={**plan.pipeline, "delay": 1,
-                                       "table": [list(r) for r in table]})
+        plan = replace(plan, pipeline={**plan.pipeline, "delay": 1, "table": [
+            list(r) for r in late_ticks(plan.schedule())]})
         par = hs.parallelize(step, cluster=cluster, plan=plan)
     ref = jax.jit(step)
     got = want = args
@@ -454,13 +452,17 @@ def test_pipelined_zoo_equals_one_device(model, layout):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["linen_transformer", "nnx_gpt", "unrolled_gpt", "bf16_mixed"])
+@pytest.mark.parametrize("name", ["linen_transformer", "nnx_gpt", "unrolled_gpt", "bf16_mixed",
+                                  "nnx_gpt late"])
 def test_pipelined_outside_models_equal_one_device(name):
-    """Train steps written elsewhere (dropout rng, a real-token count, tied embeddings)."""
+    """Train steps written elsewhere (dropout rng, a real-token count, tied embeddings);
+    "late": over four stages, messages sent during the next tick's work."""
     from test_elsewhere import get as elsewhere
-    step, args = elsewhere(name)
-    plan, _ = _three_steps(step, args, two_islands(), rtol=2e-2 if name == "bf16_mixed" else 2e-3)
-    assert len(plan.stages) == 2
+    late = name.endswith("late")
+    step, args = elsewhere(name.split()[0])
+    plan, _ = _three_steps(step, args, four_islands() if late else two_islands(),
+                           rtol=2e-2 if name == "bf16_mixed" else 2e-3, late=late)
+    assert len(plan.stages) == (4 if late else 2)
 
 
 @pytest.mark.slow  # ~30 s and ~15 s

@@ -422,8 +422,7 @@ def lockstep(sch: PipeSchedule, fwd, bwd, send, send_back, wire=None) -> PipeSch
     work: XLA's GPU async collectives): a tick lasts its longest work or `wire`, whichever
     is longer, and readers across a boundary sit a tick later."""
     S = sch.stages
-    rows = ticks(sch) if wire is None else ticks(
-        sch, {(ph, s): 1 for ph in "FB" for s in range(S - 1)})
+    rows = ticks(sch) if wire is None else late_ticks(sch)
     by_tick: dict = {}
     for t, s, m, ph in rows:
         by_tick.setdefault(t, []).append((s, m, ph))
@@ -478,6 +477,12 @@ def ticks(sch: PipeSchedule, lag=None) -> list[tuple[int, int, int, str]]:
         return when[key]
 
     return sorted((tick(k), k[1], k[2], k[0]) for k in before)
+
+
+def late_ticks(sch: PipeSchedule) -> list[tuple[int, int, int, str]]:
+    """The tick table of `sch` sending a tick late: every reader across a boundary a tick
+    after the message crossed (what a plan with `delay` 1 runs)."""
+    return ticks(sch, {(ph, s): 1 for ph in "FB" for s in range(sch.stages - 1)})
 
 
 def as_plan(pipe: Pipeline, dp: Plan, spmd: Plan, cluster: Cluster) -> Plan:
