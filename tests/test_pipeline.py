@@ -111,7 +111,7 @@ def test_keep_buffers_are_reused_once_their_backwards_ran():
     """The lowering's pool of keep buffers, counted over a tick table: under 1F1B a
     buffer is written again after its backwards (fewer buffers than forward ticks);
     under GPipe every forward's is live until the backwards start."""
-    from hapsynth.lower.ticks import keep_pool
+    from hapsynth.synth.slots import keep_pool
     for kind, reuse in (("1f1b", True), ("gpipe", False)):
         rows = ticks(schedule(kind, [1.0, 2.0, 1.5], [2.0, 4.0, 3.0], 6, [0.5, 0.2], [0.5, 0.2]))
         pool = len(set(keep_pool(rows, [True, True, False]).values()))
@@ -130,7 +130,7 @@ def test_tick_tables_deliver_every_message_and_keep(kind, lag, delay):
     buffer its own forward wrote, and every reader finds in its mailbox slot the
     message it waits for (none overwritten first), with fewer slots than messages; a
     message is stored `delay` ticks after the tick that made it (after that tick's reads)."""
-    from hapsynth.lower.ticks import B, F, IDLE, tick_tables
+    from hapsynth.synth.slots import B, F, IDLE, tick_tables
     sch = schedule(kind, [1.0, 2.0, 1.5], [2.0, 4.0, 3.0], 6, [0.5, 0.2], [0.5, 0.2])
     rows = ticks(sch, lag)
     # forwards send on to the next stage's forward and to its backward (a skip); backwards
@@ -238,6 +238,29 @@ def test_the_program_does_not_grow_with_its_ticks():
     for op in ("stablehlo.while", "stablehlo.case"):
         assert texts[0].count(op) == texts[1].count(op) > 0, op
     assert abs(len(texts[1]) - len(texts[0])) < 0.02 * len(texts[0])
+
+
+@pytest.mark.parametrize("cluster", [two_islands, four_islands])
+def test_every_device_holds_the_buffers_priced(cluster):
+    """One SPMD program gives every device the same buffers, each sized for the stage
+    needing most: every stage is priced that (near what XLA allocates per device, a V100
+    stage holding no layers included), and no tick copies the keep pool or a mailbox
+    whole (they are updated in place)."""
+    step, args = get("gpt", "tiny")
+    par = hs.parallelize(step, cluster=cluster(), pipeline=True, time_limit=1)
+    plan, low = par.plan(*args), par.lowered(*args)
+    compiled = low.compile(*args)
+    m = compiled.memory_analysis()
+    held = m.argument_size_in_bytes + m.temp_size_in_bytes
+    for st in plan.stages:
+        assert 0.5 * held <= st["memory"] <= held + m.output_size_in_bytes, (st, m)
+    tb = low.tables  # (a buffer of one slot is stored whole: that is the message)
+    whole = {f"[{low.keep_buffers},{n}]" for n in low.keep_sizes.values()} | {
+        f"[{tb.mail_slots[c]},{low.D},{n}]" if low.chunked[c[0]] else f"[{tb.mail_slots[c]},{n}]"
+        for c in low.chan_pack for n in low.chan_sizes[c].values() if tb.mail_slots[c] > 1}
+    copies = [line for line in compiled.as_text().splitlines() if " copy(" in line
+              and any(w in line.split(" copy(")[0] for w in whole)]
+    assert low.keep_buffers > 1 and not copies, copies[:3]
 
 
 @pytest.mark.slow

@@ -4,7 +4,7 @@ The technique the design validated: each stage's state sits in one flat buffer p
 dtype and device (global `[stages, pad]`, spec `P("stage", None)`), so a device stores
 only its stage. The step is a static table of ticks (`synth.pipeline.ticks`), run as
 one `fori_loop` whose body is the same at every tick, so the program does not grow with
-the microbatches; what differs per tick is data (`lower/ticks.py`). At each tick every
+the microbatches; what differs per tick is data (`synth/slots.py`). At each tick every
 device runs its stage's work in a `lax.switch` on its group (stage and row count: a
 stage mixing classes holds uneven rows) and phase (forward, backward, idle); values
 cross stages by `ppermute` outside the switch, one wire per shift between stages,
@@ -14,7 +14,7 @@ message in flight) until read.
 What a forward keeps for its backward goes into a pool of slots that every step
 receives and returns (donated), a slot reused once the backward reading it has run.
 Pool and mailboxes enter the switch whole and read-only and are written outside it,
-so XLA copies none of them per tick. Per microbatch a stage runs its forward ops (or
+one slot a tick without a `cond` (`_store`), so XLA copies none of them per tick. Per microbatch a stage runs its forward ops (or
 its backward ops) at its rows and adds its partial sums (gradients, loss) into
 accumulators; after the last tick these are summed over the stage's devices (`psum`
 on "data") and the stages run their remaining ops once (the optimizer), in rounds where
@@ -39,7 +39,7 @@ from hapsynth.ir.signature import of_program
 from hapsynth.ir.trace import Const, Program
 from hapsynth.lower import cpu
 from hapsynth.lower.packing import Packing, Ref, bundle, pad_to, trim
-from hapsynth.lower.ticks import B, F, tick_tables
+from hapsynth.synth.slots import B, F, tick_tables
 from hapsynth.lower.values import Sharded, Staged, StagedRows, unshard
 from hapsynth.synth.plan import Plan
 from hapsynth.synth.stages import analyse, stage_of
@@ -47,6 +47,16 @@ from hapsynth.synth.stages import analyse, stage_of
 __all__ = ["Pipelined", "Staged"]
 
 STAGE, DATA = "stage", "data"
+
+
+def _store(bufs, values, at, slots: int):
+    """`bufs` (per dtype, `slots` rows) with row `at` set to `values`, unchanged when `at`
+    is `slots` (nothing to store). In place: no `cond` around the update, whose branch
+    passing the buffers through would make XLA copy them whole every tick."""
+    row = jnp.minimum(at, slots - 1)
+    return tuple(lax.dynamic_update_index_in_dim(
+        b, jnp.where(at < slots, v, lax.dynamic_index_in_dim(b, row, 0, keepdims=False)), row, 0)
+        for b, v in zip(bufs, values))
 
 
 class Pipelined:
@@ -372,13 +382,11 @@ class Pipelined:
                 n = na[ph]
                 return {**acc, ph: tuple(a + c for a, c in zip(acc[ph], outs[:n]))}, outs[n:]
 
-            def keeping(acc, pool):  # a forward whose keep is stored in the pool, in place
+            def keeping(acc):  # a forward keeping values, stored in the pool below
                 acc, outs = work(0, "F", acc)
-                pool = tuple(lax.dynamic_update_index_in_dim(p, v, keep_out[i, sidx], 0)
-                             for p, v in zip(pool, outs[:len(pool)]))
-                return acc, pool, tuple(outs[len(pool):])
+                return acc, tuple(outs[:len(pool)]), tuple(outs[len(pool):])
 
-            def other(acc, pool):  # idle, a forward keeping nothing, a backward
+            def other(acc):  # idle, a forward keeping nothing, a backward
                 def idle(acc):
                     return acc, tuple(jnp.zeros((n,), k) for d in shifts
                                       for k, n in self.wire_sizes[d].items())
@@ -387,12 +395,17 @@ class Pipelined:
                 pick = np.zeros(4, np.int32)
                 pick[[0] + [k + 1 for k in (1, 2) if kinds[k]]] = np.arange(len(fns))
                 acc, outs = lax.switch(jnp.asarray(pick)[kind[i, sidx]], fns, acc)
-                return acc, pool, tuple(outs)
+                return acc, tuple(outs)
 
             if kinds[0]:
-                acc, pool, outs = lax.cond(kind[i, sidx] == 1, keeping, other, acc, pool)
+                def keeping_nothing(acc):
+                    acc, outs = other(acc)
+                    return acc, tuple(jnp.zeros((n,), k) for k, n in self.keep_sizes.items()), outs
+
+                acc, kept, outs = lax.cond(kind[i, sidx] == 1, keeping, keeping_nothing, acc)
+                pool = _store(pool, kept, keep_out[i, sidx], self.keep_buffers)
             else:
-                acc, pool, outs = other(acc, pool)
+                acc, outs = other(acc)
             if self.delay:  # what the last tick made crosses, independent of this tick's work
                 outs, made = made, tuple(outs)
             mail, k = dict(mail), 0
@@ -410,11 +423,8 @@ class Pipelined:
                         [functools.partial(self._cross, d, pairs) for pairs in senders[d][1]],
                         *got)))
                 for c in [c for c in chans if c[0] == d]:
-                    at = mail_out[c][i, sidx]
                     new = tuple(got[kd][..., :n] for kd, n in self.chan_sizes[c].items())
-                    mail[c] = lax.cond(at < tb.mail_slots[c], lambda bufs, new=new, at=at: tuple(
-                        lax.dynamic_update_index_in_dim(b, v, at, 0) for b, v in zip(bufs, new)),
-                        lambda bufs: bufs, mail[c])
+                    mail[c] = _store(mail[c], new, mail_out[c][i, sidx], tb.mail_slots[c])
             return acc, pool, mail, made
 
         acc = {ph: tuple(jnp.zeros((n,), k) for k, n in self.acc_sizes[ph].items())
@@ -810,8 +820,8 @@ class Pipelined:
             return v
         return self.shard(*jax.tree.unflatten(tree, [read(p, x) for p, x in flat]))
 
-    def run(self, leaves):
-        """One step on the flattened arguments; state comes back as `Staged` leaves."""
+    def _arguments(self, leaves) -> list:
+        """The program's arguments for one step on the flattened arguments."""
         leaves = self._inputs(leaves)
         state = self._pack_state(leaves)
         rep = NamedSharding(self.mesh, PS())
@@ -822,7 +832,17 @@ class Pipelined:
             slots = self.keep_buffers
             self._scratch = [jax.device_put(np.zeros((self.mesh.devices.size * slots, n), k), own)
                              for k, n in self.keep_sizes.items()]
-        outs = self._fn(*state, *self._scratch, *data, *extra)
+        return [*state, *self._scratch, *data, *extra]
+
+    def compile(self, *args):
+        """The step compiled for these arguments (`jax.stages.Compiled`: its
+        `memory_analysis()` gives each device's bytes, the same on every device)."""
+        return self._fn.lower(*self._arguments(jax.tree.flatten(
+            args, is_leaf=lambda v: isinstance(v, (Sharded, Staged)))[0])).compile()
+
+    def run(self, leaves):
+        """One step on the flattened arguments; state comes back as `Staged` leaves."""
+        outs = self._fn(*self._arguments(leaves))
         if self.mesh.devices.flat[0].platform == "cpu":
             jax.block_until_ready(outs)
         ns, nk = len(self.state_order), len(self._scratch)

@@ -11,8 +11,10 @@ transfer, or, sending a tick late beside the next work where collectives run
 asynchronously, the longer of the two). Once per step: the
 parameters a stage reads but does not store (tied embeddings) are copied before the
 first tick; after the last tick each stage all-reduces its gradients inside its island,
-receives the sums other stages made for its parameters, and runs its optimizer. Memory per device: its
-stage's state, the copies it reads, the gradient sums and the activations in flight.
+receives the sums other stages made for its parameters, and runs its optimizer. Memory:
+one SPMD program gives every device the same buffers, each sized for the stage needing
+most (state, copies, gradient sums, the keep pool's slots and the mailboxes of the
+tick table, `slots.py`), so every device must hold the largest stage's.
 Cuts are searched where stages balance, with or without the slowest link's transfers
 added; the best (cut, order, microbatches, schedule) is returned with every schedule's
 price at that point for comparison.
@@ -31,6 +33,7 @@ from hapsynth.synth.collectives import all_reduce
 from hapsynth.synth.costmodel import compute_time
 from hapsynth.synth.pipeschedule import PipeSchedule, Slot, schedule
 from hapsynth.synth.plan import Plan
+from hapsynth.synth.slots import tick_tables
 from hapsynth.synth.stages import Regions, stage_of
 
 __all__ = ["Pipeline", "plan_pipeline", "rows_of", "islands_of"]
@@ -369,17 +372,19 @@ class _Evaluator:
         for (a, b), t in copied.items() if self.free_running else ():
             key = ("F", b - 1) if a < b else ("B", b)
             ready[key] = ready.get(key, 0.0) + t
-        cap = [min(cluster.classes[cluster.class_of(d)].memory for d in devs) for devs in islands]
-        state = [0.0] * S
+        # memory: one SPMD program gives every device the same buffers, each sized for
+        # the stage needing most (state, copies, sums, keep pool, mailboxes)
+        cap = min(cluster.classes[cluster.class_of(d)].memory for devs in islands for d in devs)
+        own, copied_bytes = [0.0] * S, [0.0] * S
         for p, o in enumerate(owner):
-            state[o] += g.tensors[g.inputs[p]].nbytes
+            own[o] += g.tensors[g.inputs[p]].nbytes
         for s in range(S):
-            state[s] += sum(g.tensors[g.inputs[p]].nbytes for p in needs[s] if owner[p] != s)
+            copied_bytes[s] = sum(g.tensors[g.inputs[p]].nbytes for p in needs[s] if owner[p] != s)
         share = [max(x / (r.batch // M) for x in rs) for rs in rows]
         per_micro = [resid[s] * share[s] for s in range(S)]  # one microbatch's residuals, per device
-        fixed = [state[s] + acc[s] for s in range(S)]
-        memory_cap = [max(1, int((cap[s] - fixed[s]) // per_micro[s])) - 1 if per_micro[s] else M
-                      for s in range(S)]
+        fixed = max(own) + max(copied_bytes) + max(acc)
+        keep = max(per_micro)
+        memory_cap = [max(1, int((cap - fixed) // keep)) - 1 if keep else M] * S
         sch, delay = None, 0
         for late in (0, 1) if self.overlaps and not self.free_running and S > 1 else (0,):
             def run(x, late=late):
@@ -405,11 +410,34 @@ class _Evaluator:
                        for s in range(S))
         else:  # as lowered: the copies before the tick loop, the once-per-step rounds after it
             step = head + sch.makespan + max(tail)
-        memory = tuple(fixed[s] + (sch.in_flight[s] + 1) * per_micro[s] for s in range(S))
-        fits = all(m <= c for m, c in zip(memory, cap))
+        memory = (fixed + self._buffers(sch, delay, send, share, rows, islands, per_micro),) * S
+        fits = memory[0] <= cap
         return Pipeline(tuple(order), tuple(cuts), M, kind, step, sch, tuple(fwd), tuple(bwd),
                         tuple(tail), head, tuple(fw), tuple(bw), memory, fits, rows,
                         delay=delay)
+
+
+    def _buffers(self, sch, delay, send, share, rows, islands, per_micro) -> float:
+        """Per device, the bytes of the keep pool (its slots and the microbatch being
+        worked on), the mailboxes and the wires the lowering allocates for `sch`'s table
+        (`synth/slots.py`), each slot sized for the stage needing most."""
+        S = sch.stages
+        message, channels = {}, {}  # per channel (shift, phase): bytes per device, senders
+        for a in range(S):
+            for b in range(S):
+                for way, ph in enumerate("FB"):
+                    if a == b or send[a, b, way] <= 0:
+                        continue
+                    size = send[a, b, way] * share[a] * (len(islands[a]) if rows[a] != rows[b] else 1)
+                    c = (b - a, ph)
+                    message[c] = max(message.get(c, 0.0), size)
+                    channels.setdefault(c, {})[a] = ["F" if ph == "F" and b > a else "B"]
+        tables = tick_tables(ticks(sch), S, [x > 0 for x in per_micro], channels, delay)
+        mail = sum(tables.mail_slots[c] * n for c, n in message.items())
+        wires = {}
+        for (d, _), n in message.items():
+            wires[d] = max(wires.get(d, 0.0), n)
+        return (tables.keep_slots + 1) * max(per_micro) + mail + (1 + delay) * sum(wires.values())
 
 
 def lockstep(sch: PipeSchedule, fwd, bwd, send, send_back, wire=None) -> PipeSchedule:
