@@ -13,8 +13,10 @@ work, which they do not depend on, and wait in the receiver's mailbox (a slot pe
 message in flight) until read.
 What a forward keeps for its backward goes into a pool of slots that every step
 receives and returns (donated), a slot reused once the backward reading it has run.
-Pool and mailboxes enter the switch whole and read-only and are written outside it,
-one slot a tick without a `cond` (`_store`), so XLA copies none of them per tick. Per microbatch a stage runs its forward ops (or
+The pool is updated in place by the forward that keeps (inside the `cond` only that
+kind of work takes, the pool its one operand: a second reference, a closure reading it,
+made XLA copy it whole every tick); mailboxes are written outside the switch, one slot
+a tick (`_store`); XLA copies neither per tick. Per microbatch a stage runs its forward ops (or
 its backward ops) at its rows and adds its partial sums (gradients, loss) into
 accumulators; after the last tick these are summed over the stage's devices (`psum`
 on "data") and the stages run their remaining ops once (the optimizer), in rounds where
@@ -49,14 +51,12 @@ __all__ = ["Pipelined", "Staged"]
 STAGE, DATA = "stage", "data"
 
 
-def _store(bufs, values, at, slots: int):
-    """`bufs` (per dtype, `slots` rows) with row `at` set to `values`, unchanged when `at`
-    is `slots` (nothing to store). In place: no `cond` around the update, whose branch
-    passing the buffers through would make XLA copy them whole every tick."""
-    row = jnp.minimum(at, slots - 1)
-    return tuple(lax.dynamic_update_index_in_dim(
-        b, jnp.where(at < slots, v, lax.dynamic_index_in_dim(b, row, 0, keepdims=False)), row, 0)
-        for b, v in zip(bufs, values))
+def _store(bufs, values, at):
+    """`bufs` (per dtype) with row `at` set to `values`, in place: outside any `cond`, whose
+    branch passing the buffers through would make XLA copy them whole every tick. A
+    mailbox has a spare last row, which a tick storing nothing writes (its table entry
+    is the slot count)."""
+    return tuple(lax.dynamic_update_index_in_dim(b, v, at, 0) for b, v in zip(bufs, values))
 
 
 class Pipelined:
@@ -310,7 +310,7 @@ class Pipelined:
         prog, S = self.prog, self.S
         ns = len(self.state_order)
         state = tuple(b[0] for b in flat[:ns])
-        pool = tuple(flat[ns:ns + len(self.keep_sizes)])  # per dtype: [slots + 1, size]
+        pool = tuple(flat[ns:ns + len(self.keep_sizes)])  # per dtype: [slots, size]
         ns += len(pool)
         n_data = len(prog.inputs) - self.nstate
         data = dict(zip(prog.inputs[self.nstate:], flat[ns:ns + n_data]))
@@ -373,8 +373,9 @@ class Pipelined:
             # a branch repeats its work, not copies of them)
             operands = [keep_in[i, sidx], *(mail_in[c][i, sidx] for c in chans)]
 
-            def work(k, ph, acc):
-                # the branches close over the loop's pool and mailboxes (read-only here)
+            def work(k, ph, acc, pool):
+                # the branches read the pool they are given, the cond's own operand: a
+                # second reference (a closure over the loop's) would make XLA copy it
                 branches = [self._hooked(self._tick_branch(g, ph, m, unpacked, data, pool,
                                                            mail, k == 0),
                                          [False] * len(operands)) for g, _ in kinds[k]]
@@ -382,30 +383,26 @@ class Pipelined:
                 n = na[ph]
                 return {**acc, ph: tuple(a + c for a, c in zip(acc[ph], outs[:n]))}, outs[n:]
 
-            def keeping(acc):  # a forward keeping values, stored in the pool below
-                acc, outs = work(0, "F", acc)
-                return acc, tuple(outs[:len(pool)]), tuple(outs[len(pool):])
+            def keeping(acc, pool):  # a forward whose keep is stored in the pool, in place
+                acc, outs = work(0, "F", acc, pool)
+                return (acc, _store(pool, outs[:len(pool)], keep_out[i, sidx]),
+                        tuple(outs[len(pool):]))
 
-            def other(acc):  # idle, a forward keeping nothing, a backward
-                def idle(acc):
+            def other(acc, pool):  # idle, a forward keeping nothing, a backward
+                def idle(acc, pool):
                     return acc, tuple(jnp.zeros((n,), k) for d in shifts
                                       for k, n in self.wire_sizes[d].items())
                 fns = [idle] + [functools.partial(work, k, ph) for k, ph in ((1, "F"), (2, "B"))
                                 if kinds[k]]
                 pick = np.zeros(4, np.int32)
                 pick[[0] + [k + 1 for k in (1, 2) if kinds[k]]] = np.arange(len(fns))
-                acc, outs = lax.switch(jnp.asarray(pick)[kind[i, sidx]], fns, acc)
-                return acc, tuple(outs)
+                acc, outs = lax.switch(jnp.asarray(pick)[kind[i, sidx]], fns, acc, pool)
+                return acc, pool, tuple(outs)
 
             if kinds[0]:
-                def keeping_nothing(acc):
-                    acc, outs = other(acc)
-                    return acc, tuple(jnp.zeros((n,), k) for k, n in self.keep_sizes.items()), outs
-
-                acc, kept, outs = lax.cond(kind[i, sidx] == 1, keeping, keeping_nothing, acc)
-                pool = _store(pool, kept, keep_out[i, sidx], self.keep_buffers)
+                acc, pool, outs = lax.cond(kind[i, sidx] == 1, keeping, other, acc, pool)
             else:
-                acc, outs = other(acc)
+                acc, pool, outs = other(acc, pool)
             if self.delay:  # what the last tick made crosses, independent of this tick's work
                 outs, made = made, tuple(outs)
             mail, k = dict(mail), 0
@@ -424,12 +421,12 @@ class Pipelined:
                         *got)))
                 for c in [c for c in chans if c[0] == d]:
                     new = tuple(got[kd][..., :n] for kd, n in self.chan_sizes[c].items())
-                    mail[c] = _store(mail[c], new, mail_out[c][i, sidx], tb.mail_slots[c])
+                    mail[c] = _store(mail[c], new, mail_out[c][i, sidx])
             return acc, pool, mail, made
 
         acc = {ph: tuple(jnp.zeros((n,), k) for k, n in self.acc_sizes[ph].items())
                for ph in "FB"}
-        mail = {c: tuple(jnp.zeros((tb.mail_slots[c],) + ((self.D,) if self.chunked[c[0]]
+        mail = {c: tuple(jnp.zeros((tb.mail_slots[c] + 1,) + ((self.D,) if self.chunked[c[0]]
                                                          else ()) + (n,), k)
                          for k, n in self.chan_sizes[c].items()) for c in chans}
         made = tuple(jnp.zeros((n,), k) for d in shifts for k, n in self.wire_sizes[d].items()) \

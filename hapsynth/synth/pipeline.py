@@ -433,7 +433,7 @@ class _Evaluator:
                     message[c] = max(message.get(c, 0.0), size)
                     channels.setdefault(c, {})[a] = ["F" if ph == "F" and b > a else "B"]
         tables = tick_tables(ticks(sch), S, [x > 0 for x in per_micro], channels, delay)
-        mail = sum(tables.mail_slots[c] * n for c, n in message.items())
+        mail = sum((tables.mail_slots[c] + 1) * n for c, n in message.items())  # + a spare row
         wires = {}
         for (d, _), n in message.items():
             wires[d] = max(wires.get(d, 0.0), n)
