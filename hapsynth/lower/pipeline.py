@@ -52,10 +52,10 @@ STAGE, DATA = "stage", "data"
 
 
 def _store(bufs, values, at):
-    """`bufs` (per dtype) with row `at` set to `values`, in place: outside any `cond`, whose
-    branch passing the buffers through would make XLA copy them whole every tick. A
-    mailbox has a spare last row, which a tick storing nothing writes (its table entry
-    is the slot count)."""
+    """`bufs` (per dtype) with row `at` set to `values`, in place. Never in a `cond` that
+    also passes `bufs` through or reads them by a second reference (XLA would copy them
+    whole every tick); a mailbox has a spare last row, which a tick storing nothing
+    writes (its table entry is the slot count)."""
     return tuple(lax.dynamic_update_index_in_dim(b, v, at, 0) for b, v in zip(bufs, values))
 
 

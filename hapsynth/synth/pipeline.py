@@ -416,7 +416,6 @@ class _Evaluator:
                         tuple(tail), head, tuple(fw), tuple(bw), memory, fits, rows,
                         delay=delay)
 
-
     def _buffers(self, sch, delay, send, share, rows, islands, per_micro) -> float:
         """Per device, the bytes of the keep pool (its slots and the microbatch being
         worked on), the mailboxes and the wires the lowering allocates for `sch`'s table
