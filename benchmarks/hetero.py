@@ -19,6 +19,7 @@ r times). In one run, per model and speed ratio r:
 """
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import sys
@@ -41,14 +42,28 @@ def _cluster(flops: float, bandwidth: float, ratio: float, link: dict | None):
         links=links, name=f"emulated-{ratio:g}to1")
 
 
+_BARRIERS = itertools.count()  # each barrier's name is used once
+
+
 def _time_steps(runs: dict, reps: int, warmup: int = 2) -> dict:
-    """Alternate the programs step by step; median seconds per step of each."""
+    """Alternate the programs step by step; median seconds per step of each. Across
+    processes, every step starts together, after all have finished the step before:
+    without it, behind the slow link, gloo twice aborted a run on messages of
+    mismatched sizes ("Received data size doesn't match expected size"), most likely a
+    process whose sends were buffered starting the next program while its peer still
+    received the last one's."""
     import jax
 
+    from hapsynth._jax import process_barrier
     from hapsynth_bench.launch import quiet_gloo_loops
+
+    def together():
+        if jax.process_count() > 1:
+            process_barrier(f"hapsynth-time-steps-{next(_BARRIERS)}")
 
     state, batch = {}, {}
     for name, (lowered, args) in runs.items():
+        together()
         batch[name] = lowered.shard(*args)[2:]  # fed once, as the program reads it
         out = lowered(*args)
         for _ in range(warmup):
@@ -60,6 +75,7 @@ def _time_steps(runs: dict, reps: int, warmup: int = 2) -> dict:
             quiet_gloo_loops()  # loop threads opened by the new programs' collectives
         for _ in range(reps if timed else 1):
             for name, (lowered, args) in runs.items():
+                together()
                 t0 = time.perf_counter()
                 out = jax.block_until_ready(
                     lowered(state[name][0], state[name][1], *batch[name]))

@@ -146,10 +146,12 @@ def run(task: str, kwargs: dict | None = None, *, processes: int = 2, timeout: f
     for t in readers:
         t.join(timeout=5)
     outs = ["".join(o) for o in outs]
-    for i, (p, out) in enumerate(zip(procs, outs)):
-        if p.returncode != 0:
-            tail = "\n".join(out.strip().splitlines()[-25:])
-            raise RuntimeError(f"{task}: process {i} exited with {p.returncode}:\n{tail}")
+    failed = [(i, p.returncode, out) for i, (p, out) in enumerate(zip(procs, outs))
+              if p.returncode != 0]
+    if failed:  # every one: the first to fail is often not process 0
+        raise RuntimeError("\n".join(
+            f"{task}: process {i} exited with {rc}:\n" + "\n".join(out.strip().splitlines()[-25:])
+            for i, rc, out in failed))
     for line in outs[0].splitlines():
         if line.startswith(MARK):
             return json.loads(line[len(MARK):])

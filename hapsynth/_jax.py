@@ -173,3 +173,13 @@ def eqn_like(fn, *avals):
     closed = jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals])
     (eqn,) = closed.jaxpr.eqns
     return eqn.primitive, dict(eqn.params)
+
+
+def process_barrier(name: str, timeout_s: float = 600.0) -> None:
+    """Wait until every `jax.distributed` process reaches barrier `name` (unique per
+    use), through the coordination service rather than a collective; nothing to wait
+    for in one process."""
+    from jax._src import distributed
+    client = getattr(distributed.global_state, "client", None)
+    if client is not None:
+        client.wait_at_barrier(name, timeout_in_ms=int(timeout_s * 1000))

@@ -132,6 +132,25 @@ def test_launcher_runs_pinned_single_device_processes():
         assert len(out["cores"][0]) == 1
 
 
+def _barrier():
+    import time
+
+    from hapsynth._jax import process_barrier
+    if jax.process_index() == 1:
+        time.sleep(1.5)
+    t0 = time.perf_counter()
+    process_barrier("test-barrier")
+    return {"waited": time.perf_counter() - t0}
+
+
+@pytest.mark.slow
+def test_processes_wait_for_each_other_at_a_barrier():
+    """Process 0 reaches the barrier 1.5 s before process 1 and waits there (the harness
+    lines up its processes so before each timed step)."""
+    out = launch.run("test_emulation:_barrier", processes=2, timeout=120, pin=False)
+    assert out["waited"] > 1.0
+
+
 def _boom():
     raise RuntimeError("task failed on purpose")
 
