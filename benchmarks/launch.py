@@ -150,7 +150,7 @@ def run(task: str, kwargs: dict | None = None, *, processes: int = 2, timeout: f
               if p.returncode != 0]
     if failed:  # every one: the first to fail is often not process 0
         raise RuntimeError("\n".join(
-            f"{task}: process {i} exited with {rc}:\n" + "\n".join(out.strip().splitlines()[-25:])
+            f"{task}: process {i} exited with {rc}:\n" + "\n".join(out.strip().splitlines()[-60:])
             for i, rc, out in failed))
     for line in outs[0].splitlines():
         if line.startswith(MARK):

@@ -10,7 +10,7 @@ between the processes crosses it, the gradient all-reduce of SPMD as much as a
 pipeline's activations. This needs root and iproute2 (`ip`, `tc`).
 
 In one run: the link is measured (`hapsynth.profile.links`, inside the namespace), the
-compute rate calibrated from even data parallelism with every branch run once and twice
+compute rate calibrated from even data parallelism with every branch run once and three times
 (as `hetero.py` does), the fixed per-step cost from the step on one device alone (no
 link in it), and the link's bandwidth inside a step from the same 1:1 data-parallel
 probe (its time less work and fixed cost is its all-reduce); the cluster is then two
@@ -60,7 +60,7 @@ def measure(model: str, config: str, ratio: float, reps: int, time_limit: float)
     from hapsynth.lower.program import Lowered
     from hapsynth.models import get
     from hapsynth_bench.emulation import WorkRepeat
-    from hapsynth_bench.hetero import _time_steps
+    from hapsynth_bench.hetero import _time_steps, calibrate_work
     from hapsynth_bench.launch import progress
 
     devices = jax.devices()
@@ -74,14 +74,9 @@ def measure(model: str, config: str, ratio: float, reps: int, time_limit: float)
         return make_plan(graph, cluster, num_state_leaves=nstate, data_inputs=graph.inputs[nstate:],
                          time_limit=time_limit, **kw)
 
-    emulate = WorkRepeat((1, 1))
     probe = plan(_islands(1e11, 1e10, 1.0, link), strategy="data-parallel", shares=(0.5, 0.5))
-    low = Lowered(prog, probe, devices, branch_hook=emulate)
-    t1 = _time_steps({"probe": (low, args)}, reps)["probe"]
-    emulate.set((2, 2))
-    t2 = _time_steps({"probe": (low, args)}, reps)["probe"]
+    t1, work = calibrate_work(prog, probe, devices, args, reps)
     busy = probe.breakdown["compute_per_class"]["fast"]
-    work = max(t2 - t1, 1e-6)
     scale = busy / work
     # the fixed cost of a step (dispatch, not split, not slowed), from the step on this
     # process's device alone: no link in it, whose price would otherwise land here
@@ -107,9 +102,9 @@ def measure(model: str, config: str, ratio: float, reps: int, time_limit: float)
     pipe = plan(cluster, pipeline=True)
     progress(f"planned: SPMD-only {spmd.predicted_step_time * 1e3:.1f} ms ({spmd.chosen}), "
              f"pipeline {pipe.predicted_step_time * 1e3:.1f} ms")
+    emulate = WorkRepeat((1, int(round(ratio))))
     runs = {"SPMD": (Lowered(prog, spmd, devices, branch_hook=emulate), args),
             "pipeline": (Pipelined(prog, pipe, devices, branch_hook=emulate), args)}
-    emulate.set((1, int(round(ratio))))
     measured = _time_steps(runs, reps)
     predicted = {"SPMD": spmd.predicted_step_time + overhead,
                  "pipeline": pipe.predicted_step_time + overhead}
@@ -119,7 +114,7 @@ def measure(model: str, config: str, ratio: float, reps: int, time_limit: float)
                          "stages": [s["island"] for s in pipe.stages],
                          "by_kind": pipe.pipeline["by_kind"]},
             "calibration": {"flops": 1e11 * scale, "overhead": overhead, "probe_1to1": t1,
-                            "probe_twice": t2, "link_in_step": link["bandwidth"]}}
+                            "probe_thrice": t1 + 2 * work, "link_in_step": link["bandwidth"]}}
 
 
 @contextlib.contextmanager

@@ -2,6 +2,8 @@
 and pipelined programs equal to `jax.jit(train_step)` on one device."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -258,9 +260,58 @@ def test_every_device_holds_the_buffers_priced(cluster):
     whole = {f"[{low.keep_buffers},{n}]" for n in low.keep_sizes.values()} | {
         f"[{tb.mail_slots[c] + 1},{low.D},{n}]" if low.chunked[c[0]] else
         f"[{tb.mail_slots[c] + 1},{n}]" for c in low.chan_pack for n in low.chan_sizes[c].values()}
-    copies = [line for line in compiled.as_text().splitlines() if " copy(" in line
-              and any(w in line.split(" copy(")[0] for w in whole)]
+    copies, entry = [], False  # in the loop (its body and branches), not once per step
+    for line in compiled.as_text().splitlines():
+        if line and not line.startswith(" "):
+            entry = line.startswith("ENTRY")
+        elif not entry and " copy(" in line and any(w in line.split(" copy(")[0] for w in whole):
+            copies.append(line)
     assert low.keep_buffers > 1 and not copies, copies[:3]
+
+
+def _jaxprs(jaxpr):
+    """`jaxpr` and every jaxpr inside it (loop bodies, branches, shard_map and jit bodies)."""
+    yield jaxpr
+    for e in jaxpr.eqns:
+        for v in e.params.values():
+            for x in v if isinstance(v, (tuple, list)) else (v,):
+                inner = getattr(x, "jaxpr", x)
+                if hasattr(inner, "eqns"):
+                    yield from _jaxprs(inner)
+
+
+def test_every_process_crosses_the_shifts_in_one_order():
+    """Sent in the tick that made it, each shift crosses in a cond (the stages sending
+    then); each such cond reads what the one before it made, so every process runs the
+    permutes in one order (XLA's CPU runtime does not order collectives inside two
+    independent conds, and gloo pairs a permute's messages by arrival)."""
+    step, args = get("mlp", "tiny")
+    plan = hs.parallelize(step, cluster=two_islands(), pipeline=True, time_limit=1).plan(*args)
+    plan = replace(plan, pipeline={**plan.pipeline, "delay": 0})
+    low = hs.parallelize(step, cluster=two_islands(), plan=plan).lowered(*args)
+    leaves = jax.tree.leaves(args)
+    top = jax.make_jaxpr(low._fn)(*low._arguments(leaves)).jaxpr
+
+    def permutes(j):
+        return any(e.primitive.name == "ppermute" for x in _jaxprs(j) for e in x.eqns)
+
+    chained = 0
+    for j in _jaxprs(top):
+        conds = [e for e in j.eqns if e.primitive.name == "cond" and any(
+            permutes(b.jaxpr) for b in e.params["branches"])]
+        made = {v: e for e in j.eqns for v in e.outvars}
+
+        def reads(e, seen):  # every eqn whose outputs e reads, transitively
+            for v in e.invars:
+                src = made.get(v) if not hasattr(v, "val") else None
+                if src is not None and id(src) not in seen:
+                    seen[id(src)] = src
+                    reads(src, seen)
+            return seen
+        for a, b in zip(conds, conds[1:]):
+            assert id(a) in reads(b, {}), "two shifts' permutes in independent conds"
+            chained += 1
+    assert chained >= 1  # the forward's shift and the backward's, in every tick
 
 
 @pytest.mark.slow
@@ -672,7 +723,8 @@ def test_no_fitting_plan_names_the_class_on_one_island():
 
 def test_ticks_are_priced_as_the_loop_runs_them():
     """Sent in the tick that made it (XLA's CPU runtime, which runs ops one after
-    another): a tick lasts its longest work plus its longest transfer. Sent a tick late
+    another): a tick lasts its longest work plus its longest transfer forward and then
+    back (the lowering orders the two shifts). Sent a tick late
     beside the next tick's work (GPUs' asynchronous collectives): every tick lasts its
     longest work or the carried crossing (every pair, one shift after the other),
     whichever is longer, and readers sit a tick later; GPU clusters get the cheaper of the
@@ -700,8 +752,9 @@ def test_ticks_are_priced_as_the_loop_runs_them():
         starts = [x.start for x in p0.schedule.slots if (x.stage, x.micro, x.phase) in keys]
         assert len(starts) == len(work) and starts == pytest.approx([want] * len(work))
         want += max(p0.forward[s] if ph == "F" else p0.backward[s] for s, ph in work)
-        want += max([0.0] + [p0.send[s] for s, ph in work if ph == "F" and s == 0]
-                    + [p0.send_back[0] for s, ph in work if ph == "B" and s == 1])
+        # the forwards' crossing, then the backwards' (one shift after the other)
+        want += max([0.0] + [p0.send[s] for s, ph in work if ph == "F" and s == 0])
+        want += max([0.0] + [p0.send_back[0] for s, ph in work if ph == "B" and s == 1])
     assert p0.schedule.makespan == pytest.approx(want)
     assert p0.step == pytest.approx(p0.head + p0.schedule.makespan + max(p0.tail))
     first = min((x for x in p0.schedule.slots if x.stage == 1), key=lambda x: x.start)

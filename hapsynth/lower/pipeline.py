@@ -405,7 +405,7 @@ class Pipelined:
                 acc, pool, outs = other(acc, pool)
             if self.delay:  # what the last tick made crosses, independent of this tick's work
                 outs, made = made, tuple(outs)
-            mail, k = dict(mail), 0
+            mail, k, crossed = dict(mail), 0, None
             for d in shifts:
                 n = len(self.wire_sizes[d])
                 got = tuple(outs[k:k + n])
@@ -413,12 +413,19 @@ class Pipelined:
                 if self.delay:
                     got = dict(zip(self.wire_sizes[d], self._cross(d, senders[d][2], *got)))
                 else:
+                    if crossed is not None:
+                        # one shift's crossing after the other's on every process: XLA's
+                        # CPU runtime orders the collectives of one sequence, not those
+                        # inside two independent conds, and gloo pairs a permute's
+                        # messages by arrival (one tag for all), so they could mix
+                        crossed, got = lax.optimization_barrier((crossed, got))
                     # only the stages sending this tick: a tick with none sends nothing (the
                     # pattern is the same on every device, so each takes the same branch)
-                    got = dict(zip(self.wire_sizes[d], lax.switch(
+                    crossed = lax.switch(
                         jnp.asarray(senders[d][0])[i],
                         [functools.partial(self._cross, d, pairs) for pairs in senders[d][1]],
-                        *got)))
+                        *got)
+                    got = dict(zip(self.wire_sizes[d], crossed))
                 for c in [c for c in chans if c[0] == d]:
                     new = tuple(got[kd][..., :n] for kd, n in self.chan_sizes[c].items())
                     mail[c] = _store(mail[c], new, mail_out[c][i, sidx])

@@ -7,7 +7,7 @@ where the island mixes classes). Priced per microbatch: every stage's forward an
 backward at its rows; each tensor crossing a boundary over the link between the two
 islands; the schedule simulated (`pipeschedule.py`) for its order, then priced in lock step
 as the lowering runs it (`lockstep`: a tick lasts its longest work and then its longest
-transfer, or, sending a tick late beside the next work where collectives run
+transfer each way, one way after the other, or, sending a tick late beside the next work where collectives run
 asynchronously, the longer of the two). Once per step: the
 parameters a stage reads but does not store (tied embeddings) are copied before the
 first tick; after the last tick each stage all-reduces its gradients inside its island,
@@ -443,8 +443,8 @@ def lockstep(sch: PipeSchedule, fwd, bwd, send, send_back, wire=None) -> PipeSch
     """`sch` as the lowering runs it: a table of ticks (`ticks`), each tick's work in one
     switch on every device. Without `wire`, what a tick made crosses to its readers by
     `ppermute` after the work, in the same iteration of the tick loop: a tick lasts its
-    longest work plus its longest transfer (a link direction carrying one message at a
-    time). With `wire` (seconds), what a tick made crosses during the next tick, on every
+    longest work plus its forwards' longest transfer and then its backwards' (a link
+    direction carrying one message at a time). With `wire` (seconds), what a tick made crosses during the next tick, on every
     pair its shift may use (device runtimes whose collectives run beside independent
     work: XLA's GPU async collectives): a tick lasts its longest work or `wire`, whichever
     is longer, and readers across a boundary sit a tick later."""
@@ -467,7 +467,10 @@ def lockstep(sch: PipeSchedule, fwd, bwd, send, send_back, wire=None) -> PipeSch
                 moved[("F", s)] = moved.get(("F", s), 0.0) + send[s]
             elif ph == "B" and s > 0:
                 moved[("B", s - 1)] = moved.get(("B", s - 1), 0.0) + send_back[s - 1]
-        end += max(length) + max([0.0, *moved.values()])
+        # the forwards' shift, then the backwards' (the lowering orders them), each as
+        # long as its slowest link
+        end += max(length) + sum(max([0.0] + [t for (ph, _), t in moved.items() if ph == way])
+                                 for way in "FB")
     return PipeSchedule(sch.kind, S, sch.micros, tuple(slots), end, sch.in_flight, sch.depths,
                         tuple(rows))
 
