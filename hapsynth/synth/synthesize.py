@@ -265,7 +265,7 @@ def with_pipeline(graph: Graph, cluster: Cluster, spmd: Plan | None, *, num_stat
     stages are cut (the plan then runs that program: `pipeline["unrolled"]`)."""
     from dataclasses import replace
 
-    from hapsynth.synth.pipeline import as_plan, plan_pipeline
+    from hapsynth.synth.pipeline import as_plan, plan_pipeline, stage_parts
     from hapsynth.synth.stages import NotPipelineable, analyse
 
     def keep(why: str) -> Plan:
@@ -296,7 +296,12 @@ def with_pipeline(graph: Graph, cluster: Cluster, spmd: Plan | None, *, num_stat
     if pipe is None:
         return keep("no stage cut: too few parameters or microbatches for the islands")
     if not pipe.fits:
-        why = f"the best pipeline found does not fit memory ({pipe.step:.4g} s)"
+        parts, _ = stage_parts(cluster)
+        small = cluster.classes[min({cluster.class_of(d) for k in pipe.order for d in parts[k]},
+                                    key=lambda c: cluster.classes[c].memory)]
+        why = (f"the best pipeline found does not fit memory ({pipe.step:.4g} s): every device "
+               f"holds the largest stage's buffers, {pipe.memory[0] / 2**30:.3g} GiB, and "
+               f"class {small.name!r} has {small.memory / 2**30:.3g} GiB")
         if pipeline is True:  # memory, not the step's shape: recomputation may still fit it
             raise InfeasibleMemory(f"pipeline=True: {why}")
         return keep(why)
