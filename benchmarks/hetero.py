@@ -7,8 +7,8 @@ r times). In one run, per model and speed ratio r:
 
 1. calibration, from runs at 1:1 speeds only: the links (psum, all-gather and
    all-to-all sweeps, `hapsynth.profile.links`); the compute rate from even data
-   parallelism with every segment run once and three times, alternately; then a fixed
-   per-step overhead and the latency a collective really costs inside a step, from that run and the
+   parallelism with every segment run once and twice; then a fixed per-step overhead
+   and the latency a collective really costs inside a step, from that run and the
    synthesized plans' runs at 1:1. The cluster is the rate for the fast class and
    rate / r for the slow one;
 2. DP-EV, DP-CP, the synthesized plan and a grid of data-parallel splits (the fast
@@ -47,11 +47,11 @@ _BARRIERS = itertools.count()  # each barrier's name is used once
 
 def _time_steps(runs: dict, reps: int, warmup: int = 2) -> dict:
     """Alternate the programs step by step; median seconds per step of each. Across
-    processes, every step starts together, after all have finished the step before:
-    without it, behind the slow link, gloo twice aborted a run on messages of
-    mismatched sizes ("Received data size doesn't match expected size"), most likely a
-    process whose sends were buffered starting the next program while its peer still
-    received the last one's."""
+    processes, every step starts together, after all have finished the step before, so
+    that no process starts a program while another still runs the last one (behind the
+    slow link gloo aborted runs on messages of mismatched sizes, "Received data size
+    doesn't match expected size"; this closes one way that could happen, see
+    RESULTS.md)."""
     import jax
 
     from hapsynth._jax import process_barrier
@@ -88,7 +88,9 @@ def _time_steps(runs: dict, reps: int, warmup: int = 2) -> dict:
 def calibrate_work(prog, probe, devices, args, reps: int) -> tuple[float, float]:
     """The probe plan's step at 1:1 and the compute in it (measured seconds): the step
     with every branch run once and three times on every device, timed alternately (so
-    that the machine's drift over the run falls on both), the difference halved."""
+    that the machine's drift over the run falls on both), the difference halved. Used by
+    `hapsynth bench pipeline`, whose calibration it steadied; `measure` keeps once and
+    twice, timed one after the other (see there)."""
     from hapsynth.lower.program import Lowered
     from hapsynth_bench.emulation import WorkRepeat
 
@@ -135,19 +137,26 @@ def measure(model: str, config: str, ratios, reps: int, time_limit: float,
         return programs[text]
 
     # calibration, from runs at 1:1 only (no row's own measurement):
-    # - compute rate: even data parallelism with every segment run once and three times
-    #   on both devices (`calibrate_work`), one scale on the roofline;
+    # - compute rate: even data parallelism with every segment run once and twice on
+    #   both devices; the difference is the step's compute, one scale on the roofline;
     # - per-step overhead O (dispatch, segment boundaries; not split, not slowed) and
     #   the per-collective latency seen inside a step (collective + local pads and
     #   gathers + waiting): from the data-parallel probe and, at 1:1, the synthesized
     #   plans (many conversions), two equations in two unknowns.
     probe = plan(_cluster(1e11, 1e10, 1.0, link), strategy="data-parallel", shares=(0.5, 0.5))
-    t1, work = calibrate_work(prog, probe, devices, args, reps)
+    # (`calibrate_work`, once and three times alternately, put this benchmark's
+    # predictions 10-34% off in a run on 2026-12-04; once and twice: within 5% on 11-30)
+    low = lower(probe)
+    t1 = _time_steps({"probe": (low, args)}, reps)["probe"]
+    emulate.set((2, 2))
+    t2 = _time_steps({"probe": (low, args)}, reps)["probe"]
+    emulate.set((1, 1))
     busy = probe.breakdown["compute_per_class"]["fast"]
+    work = max(t2 - t1, 1e-6)
     scale = busy / work  # model seconds per measured second
     flops, bandwidth = 1e11 * scale, 1e10 * scale
     progress(f"{model}-{config}: 1:1 data parallel {t1 * 1e3:.1f} ms/step, "
-             f"{(t1 + 2 * work) * 1e3:.1f} with every segment three times")
+             f"{t2 * 1e3:.1f} with every segment twice")
     splits = sorted({*grid, 0.5, *(r / (r + 1) for r in ratios)})
 
     def synthesized_at(lnk):
@@ -212,7 +221,7 @@ def measure(model: str, config: str, ratios, reps: int, time_limit: float,
             "plan_ratios": synthesized[r].ratios,
             "calibration": {"flops": flops, "mem_bandwidth": bandwidth, "link": link,
                             "overhead": overhead, "latency_in_step": gamma,
-                            "probe_1to1": t1, "probe_thrice": t1 + 2 * work}})
+                            "probe_1to1": t1, "probe_twice": t2}})
     return rows
 
 

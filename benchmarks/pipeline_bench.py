@@ -10,8 +10,8 @@ between the processes crosses it, the gradient all-reduce of SPMD as much as a
 pipeline's activations. This needs root and iproute2 (`ip`, `tc`).
 
 In one run: the link is measured (`hapsynth.profile.links`, inside the namespace), the
-compute rate calibrated from even data parallelism with every branch run once and three times
-(as `hetero.py` does), the fixed per-step cost from the step on one device alone (no
+compute rate calibrated from even data parallelism with every branch run once and three times,
+timed alternately (`hetero.calibrate_work`), the fixed per-step cost from the step on one device alone (no
 link in it), and the link's bandwidth inside a step from the same 1:1 data-parallel
 probe (its time less work and fixed cost is its all-reduce); the cluster is then two
 islands, the fast class at that rate and
