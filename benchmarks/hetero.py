@@ -85,21 +85,6 @@ def _time_steps(runs: dict, reps: int, warmup: int = 2) -> dict:
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def calibrate_work(prog, probe, devices, args, reps: int) -> tuple[float, float]:
-    """The probe plan's step at 1:1 and the compute in it (measured seconds): the step
-    with every branch run once and three times on every device, timed alternately (so
-    that the machine's drift over the run falls on both), the difference halved. Used by
-    `hapsynth bench pipeline`, whose calibration it steadied; `measure` keeps once and
-    twice, timed one after the other (see there)."""
-    from hapsynth.lower.program import Lowered
-    from hapsynth_bench.emulation import WorkRepeat
-
-    runs = {k: (Lowered(prog, probe, devices, branch_hook=WorkRepeat((k, k))), args)
-            for k in ("1", "3")}
-    t = _time_steps(runs, reps)
-    return t["1"], max((t["3"] - t["1"]) / 2, 1e-6)
-
-
 def measure(model: str, config: str, ratios, reps: int, time_limit: float,
             grid=GRID) -> list[dict]:
     """One process's part of the benchmark (runs under `hapsynth_bench.launch`)."""
@@ -144,8 +129,9 @@ def measure(model: str, config: str, ratios, reps: int, time_limit: float,
     #   gathers + waiting): from the data-parallel probe and, at 1:1, the synthesized
     #   plans (many conversions), two equations in two unknowns.
     probe = plan(_cluster(1e11, 1e10, 1.0, link), strategy="data-parallel", shares=(0.5, 0.5))
-    # (`calibrate_work`, once and three times alternately, put this benchmark's
-    # predictions 10-34% off in a run on 2026-12-04; once and twice: within 5% on 11-30)
+    # (`pipeline_bench.calibrate_work`, once and three times alternately, put this
+    # benchmark's predictions 10-34% off in a run on 2026-12-04; once and twice: within
+    # 5% on 11-30)
     low = lower(probe)
     t1 = _time_steps({"probe": (low, args)}, reps)["probe"]
     emulate.set((2, 2))

@@ -10,9 +10,9 @@ between the processes crosses it, the gradient all-reduce of SPMD as much as a
 pipeline's activations. This needs root and iproute2 (`ip`, `tc`).
 
 In one run: the link is measured (`hapsynth.profile.links`, inside the namespace), the
-compute rate calibrated from even data parallelism with every branch run once and three times,
-timed alternately (`hetero.calibrate_work`), the fixed per-step cost from the step on one device alone (no
-link in it), and the link's bandwidth inside a step from the same 1:1 data-parallel
+compute rate calibrated from even data parallelism with every branch run once and
+three times, timed alternately (`calibrate_work`), the fixed per-step cost from the
+step on one device alone (no link in it), and the link's bandwidth inside a step from the same 1:1 data-parallel
 probe (its time less work and fixed cost is its all-reduce); the cluster is then two
 islands, the fast class at that rate and
 the slow at rate / r, joined by the measured link. The best SPMD-only plan
@@ -49,6 +49,21 @@ def _islands(flops: float, bandwidth: float, ratio: float, link: dict | None):
         name=f"emulated-islands-{ratio:g}to1")
 
 
+def calibrate_work(prog, probe, devices, args, reps: int) -> tuple[float, float]:
+    """The probe plan's step at 1:1 and the compute in it (measured seconds): the step
+    with every branch run once and three times on every device, timed alternately (so
+    that the machine's drift over the run falls on both), the difference halved (it steadied this
+    benchmark's calibration; `hetero.measure` keeps once and twice, see there)."""
+    from hapsynth.lower.program import Lowered
+    from hapsynth_bench.emulation import WorkRepeat
+    from hapsynth_bench.hetero import _time_steps
+
+    runs = {k: (Lowered(prog, probe, devices, branch_hook=WorkRepeat((k, k))), args)
+            for k in ("1", "3")}
+    t = _time_steps(runs, reps)
+    return t["1"], max((t["3"] - t["1"]) / 2, 1e-6)
+
+
 def measure(model: str, config: str, ratio: float, reps: int, time_limit: float) -> dict:
     """One process's part (runs under `hapsynth_bench.launch`)."""
     import jax
@@ -60,7 +75,7 @@ def measure(model: str, config: str, ratio: float, reps: int, time_limit: float)
     from hapsynth.lower.program import Lowered
     from hapsynth.models import get
     from hapsynth_bench.emulation import WorkRepeat
-    from hapsynth_bench.hetero import _time_steps, calibrate_work
+    from hapsynth_bench.hetero import _time_steps
     from hapsynth_bench.launch import progress
 
     devices = jax.devices()

@@ -180,7 +180,6 @@ def test_readers_of_a_slow_transfer_may_sit_ticks_later():
     """A tick table whose readers across the boundary wait extra ticks (as `lockstep`
     tries for slow links) keeps every dependency, and the program running it still
     equals `jax.jit` on one device."""
-    from dataclasses import replace
 
     from hapsynth.synth.pipeschedule import PipeSchedule, Slot
     from test_lowering import compare
@@ -225,7 +224,6 @@ def _program_text(par, args) -> str:
 def test_the_program_does_not_grow_with_its_ticks():
     """The ticks run in one loop whose body is the same every tick: a table with more
     ticks (readers of each transfer waiting longer) gives a program of the same size."""
-    from dataclasses import replace
 
     from hapsynth.synth.pipeschedule import PipeSchedule, Slot
     step, args = get("mlp", "tiny")
@@ -318,7 +316,6 @@ def test_every_process_crosses_the_shifts_in_one_order():
 def test_only_the_stages_sending_cross_a_link():
     """Sent in the tick that made it: per tick and shift, the program's `ppermute` pairs
     are the stages sending then (a tick where none does moves nothing)."""
-    from dataclasses import replace
     step, args = get("mlp", "tiny")
     plan = hs.parallelize(step, cluster=two_islands(), pipeline=True, time_limit=1).plan(*args)
     plan = replace(plan, pipeline={**plan.pipeline, "delay": 0})
@@ -371,7 +368,6 @@ def test_a_message_crosses_beside_the_next_ticks_work():
     loop's body every `ppermute` sits outside the work's switch and reads nothing the
     switch makes, so an asynchronous collective can run under the work; sent in its own
     tick (`delay` 0), the crossings sit in a switch after the work. Both equal `jit`."""
-    from dataclasses import replace
 
     from test_lowering import compare
     step, args = get("mlp", "tiny")
@@ -466,7 +462,6 @@ def test_pipeline_true_on_one_island_says_why():
 def _three_steps(step, args, cluster, rtol=2e-3, late=False):
     """3 steps of the pipeline found equal `jit`; `late`: with its messages sent a tick
     late (readers a tick later), whatever the planner chose."""
-    from dataclasses import replace
 
     from test_lowering import compare
 
@@ -571,7 +566,6 @@ def test_a_branch_hook_knows_each_device_by_its_number():
     """A measurement hook slows devices by their number in the cluster; the (stage,
     data) mesh orders them by stage, so with the second island's devices as the first
     stage the mesh place and the device number differ: the hook must get the number."""
-    from dataclasses import replace
 
     from hapsynth.lower.devices import local_devices
     from hapsynth.lower.pipeline import Pipelined

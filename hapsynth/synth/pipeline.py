@@ -7,8 +7,8 @@ where the island mixes classes). Priced per microbatch: every stage's forward an
 backward at its rows; each tensor crossing a boundary over the link between the two
 islands; the schedule simulated (`pipeschedule.py`) for its order, then priced in lock step
 as the lowering runs it (`lockstep`: a tick lasts its longest work and then its longest
-transfer each way, one way after the other, or, sending a tick late beside the next work where collectives run
-asynchronously, the longer of the two). Once per step: the
+transfer each way, one way after the other, or, sending a tick late beside the next
+work where collectives run asynchronously, the longer of the two). Once per step: the
 parameters a stage reads but does not store (tied embeddings) are copied before the
 first tick; after the last tick each stage all-reduces its gradients inside its island,
 receives the sums other stages made for its parameters, and runs its optimizer. Memory:
@@ -444,8 +444,8 @@ def lockstep(sch: PipeSchedule, fwd, bwd, send, send_back, wire=None) -> PipeSch
     switch on every device. Without `wire`, what a tick made crosses to its readers by
     `ppermute` after the work, in the same iteration of the tick loop: a tick lasts its
     longest work plus its forwards' longest transfer and then its backwards' (a link
-    direction carrying one message at a time). With `wire` (seconds), what a tick made crosses during the next tick, on every
-    pair its shift may use (device runtimes whose collectives run beside independent
+    direction carrying one message at a time). With `wire` (seconds), what a tick made
+    crosses during the next tick, on every pair its shift may use (device runtimes whose collectives run beside independent
     work: XLA's GPU async collectives): a tick lasts its longest work or `wire`, whichever
     is longer, and readers across a boundary sit a tick later."""
     S = sch.stages
