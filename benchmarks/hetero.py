@@ -46,8 +46,8 @@ _BARRIERS = itertools.count()  # each barrier's name is used once
 
 
 def _time_steps(runs: dict, reps: int, warmup: int = 2) -> dict:
-    """Alternate the programs step by step; median seconds per step of each. Across
-    processes, every step starts together, after all have finished the step before, so
+    """Alternate the programs step by step; median seconds per step of each (process
+    0's, on every process: `launch.agreed`). Across processes, every step starts together, after all have finished the step before, so
     that no process starts a program while another still runs the last one (behind the
     slow link gloo aborted runs on messages of mismatched sizes, "Received data size
     doesn't match expected size"; this closes one way that could happen, see
@@ -55,7 +55,7 @@ def _time_steps(runs: dict, reps: int, warmup: int = 2) -> dict:
     import jax
 
     from hapsynth._jax import process_barrier
-    from hapsynth_bench.launch import quiet_gloo_loops
+    from hapsynth_bench.launch import agreed, quiet_gloo_loops
 
     def together():
         if jax.process_count() > 1:
@@ -82,7 +82,7 @@ def _time_steps(runs: dict, reps: int, warmup: int = 2) -> dict:
                 if timed:
                     times[name].append(time.perf_counter() - t0)
                 state[name] = out
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return agreed({name: statistics.median(ts) for name, ts in times.items()})
 
 
 def measure(model: str, config: str, ratios, reps: int, time_limit: float,
@@ -98,17 +98,17 @@ def measure(model: str, config: str, ratios, reps: int, time_limit: float,
     from hapsynth.models import get
     from hapsynth.synth.plan import Plan
     from hapsynth_bench.emulation import WorkRepeat
-    from hapsynth_bench.launch import progress
+    from hapsynth_bench.launch import agreed, agreed_plan, progress
 
     devices = jax.devices()
-    link = profile.links()
+    link = agreed(profile.links())
     step, args = get(model, config, devices=len(devices))
     prog, graph = lift(step, *args)
     nstate = len(jax.tree.leaves(args[:2]))
 
     def plan(cluster, **kw) -> Plan:  # over both devices: the uneven split is what is measured
-        return synthesize_once(prog, cluster, num_state_leaves=nstate, devices="all",
-                               time_limit=time_limit, **kw)[0]
+        return agreed_plan(lambda: synthesize_once(prog, cluster, num_state_leaves=nstate,
+                                                   devices="all", time_limit=time_limit, **kw)[0])
 
     programs = {}
     emulate = WorkRepeat((1, 1))  # one knob for every program: the speed ratio of the devices

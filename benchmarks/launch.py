@@ -83,6 +83,34 @@ def progress(message: str) -> None:
     print(PROGRESS + message, flush=True)
 
 
+def agreed(value):
+    """Process 0's `value` (JSON-able) on every process. What a plan is made from
+    (measurements, calibration) differs a little between processes, and CP-SAT under a
+    time limit may answer differently: plans made apart may differ, and processes running
+    different programs abort inside gloo on mismatched messages."""
+    import jax
+
+    from hapsynth.api import from_process_zero
+
+    if jax.process_count() == 1:
+        return value
+    return json.loads(from_process_zero(json.dumps(value) if jax.process_index() == 0 else None))
+
+
+def agreed_plan(make):
+    """The plan (a `Plan`) `make()` makes on process 0, on every process (see `agreed`);
+    the others do not plan."""
+    import jax
+
+    from hapsynth.api import from_process_zero
+    from hapsynth.synth.plan import Plan
+
+    if jax.process_count() == 1:
+        return make()
+    mine = make().to_json() if jax.process_index() == 0 else None
+    return Plan.from_json(from_process_zero(mine))
+
+
 def _die_with_parent(parent: int) -> None:
     """In a worker: be killed when the launching process dies (Linux prctl), so no
     orphan keeps a core busy. Done by the worker itself: `preexec_fn` would fork a

@@ -12,23 +12,26 @@ pipeline's activations. This needs root and iproute2 (`ip`, `tc`).
 In one run: the link is measured (`hapsynth.profile.links`, inside the namespace), the
 compute rate calibrated from even data parallelism with every branch run once and
 three times, timed alternately (`calibrate_work`), the fixed per-step cost from the
-step on one device alone (no link in it), and the link's bandwidth inside a step from the same 1:1 data-parallel
-probe (its time less work and fixed cost is its all-reduce); the cluster is then two
-islands, the fast class at that rate and
-the slow at rate / r, joined by the measured link. The best SPMD-only plan
-(`pipeline=False`) and the best pipeline (`pipeline=True`) are planned on it, lowered,
-and timed alternately (median of `reps` after warm-up); each prediction is printed
-beside its measurement with the same fixed per-step overhead added to both.
+step on the fast device alone by plain `jax.jit` (no link in it), and the link's
+bandwidth inside a step from the same 1:1 data-parallel probe (its time less work and
+fixed cost is its all-reduce); the cluster is then two islands, the fast class at that
+rate and the slow at rate / r, joined by the measured link. Planned on it: the best
+SPMD-only plan over both devices (`pipeline=False`), the fast device alone (what a user
+could run instead; two processes do not run a plan on part of their devices, so it is
+run as plain `jax.jit` on process 0's device), and the best pipeline (`pipeline=True`).
+The three are timed alternately (median of `reps` after warm-up); each prediction is
+printed beside its measurement with the same fixed per-step overhead added, and the
+pipeline's speed-up is over the better of the two SPMD-only ones. Every plan, and every
+measurement it is made from, is process 0's (`launch.agreed`): plans made apart on two
+processes differed and their programs aborted inside gloo.
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 import uuid
 
 NAMESPACE = "hapsynth-bench"
@@ -64,8 +67,28 @@ def calibrate_work(prog, probe, devices, args, reps: int) -> tuple[float, float]
     return t["1"], max((t["3"] - t["1"]) / 2, 1e-6)
 
 
+class _Alone:
+    """The step by plain `jax.jit` on this process's one device, no slow device, no link:
+    on process 0 the fast device alone, what a user could run instead of any plan (the
+    SPMD-only planner's plans on part of a cluster are not run across processes)."""
+
+    def __init__(self, step, device):
+        import jax
+
+        self.device, self.fn = device, jax.jit(step)
+
+    def shard(self, *args):
+        import jax
+
+        return jax.device_put(args, self.device)
+
+    def __call__(self, *args):
+        return self.fn(*self.shard(*args))
+
+
 def measure(model: str, config: str, ratio: float, reps: int, time_limit: float) -> dict:
-    """One process's part (runs under `hapsynth_bench.launch`)."""
+    """One process's part (runs under `hapsynth_bench.launch`). Every plan, and all it is
+    made from, is process 0's (`launch.agreed`)."""
     import jax
 
     from hapsynth import profile
@@ -76,33 +99,29 @@ def measure(model: str, config: str, ratio: float, reps: int, time_limit: float)
     from hapsynth.models import get
     from hapsynth_bench.emulation import WorkRepeat
     from hapsynth_bench.hetero import _time_steps
-    from hapsynth_bench.launch import progress
+    from hapsynth_bench.launch import agreed, agreed_plan, progress
 
     devices = jax.devices()
-    link = profile.links()
+    link = agreed(profile.links())
     progress(f"link: {link['bandwidth'] / 1e6:.1f} MB/s, latency {link['latency'] * 1e6:.0f} us")
-    step, args = get(model, config, devices=len(devices))
+    step, args = get(model, config, devices=len(devices), abstract=False)
     prog, graph = lift(step, *args)
     nstate = len(jax.tree.leaves(args[:2]))
 
     def plan(cluster, **kw):
-        return make_plan(graph, cluster, num_state_leaves=nstate, data_inputs=graph.inputs[nstate:],
-                         time_limit=time_limit, **kw)
+        return agreed_plan(lambda: make_plan(
+            graph, cluster, num_state_leaves=nstate, data_inputs=graph.inputs[nstate:],
+            time_limit=time_limit, **kw))
 
     probe = plan(_islands(1e11, 1e10, 1.0, link), strategy="data-parallel", shares=(0.5, 0.5))
     t1, work = calibrate_work(prog, probe, devices, args, reps)
     busy = probe.breakdown["compute_per_class"]["fast"]
     scale = busy / work
-    # the fixed cost of a step (dispatch, not split, not slowed), from the step on this
-    # process's device alone: no link in it, whose price would otherwise land here
-    local = jax.jit(step, device=jax.local_devices()[0])
-    out = local(*args)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = jax.block_until_ready(local(*out[:2], args[2]))
-        times.append(time.perf_counter() - t0)
-    overhead = max(statistics.median(times) - 2 * work, 0.0)
+    # the fixed cost of a step (dispatch, not split, not slowed), from the step on the
+    # fast device alone: no link in it, whose price would otherwise land here
+    alone_runs = {"alone": (_Alone(step, jax.local_devices()[0]), args)}
+    alone_1to1 = _time_steps(alone_runs, reps)["alone"]
+    overhead = max(alone_1to1 - 2 * work, 0.0)
     # the link as a step sees it: the probe's time less its work and the fixed cost is
     # its gradient all-reduce; the bandwidth is scaled to make the model say so (an
     # isolated psum sweep is faster than the same bytes inside a step)
@@ -114,22 +133,29 @@ def measure(model: str, config: str, ratio: float, reps: int, time_limit: float)
     progress(f"calibrated: {1e11 * scale / 1e9:.1f} GFLOP/s, overhead {overhead * 1e3:.1f} ms, "
              f"link in a step {link['bandwidth'] / 1e6:.1f} MB/s")
     spmd = plan(cluster, pipeline=False)
+    alone = plan(cluster.subset((0,)), pipeline=False)
     pipe = plan(cluster, pipeline=True)
     progress(f"planned: SPMD-only {spmd.predicted_step_time * 1e3:.1f} ms ({spmd.chosen}), "
+             f"fast device alone {alone.predicted_step_time * 1e3:.1f} ms, "
              f"pipeline {pipe.predicted_step_time * 1e3:.1f} ms")
     emulate = WorkRepeat((1, int(round(ratio))))
     runs = {"SPMD": (Lowered(prog, spmd, devices, branch_hook=emulate), args),
-            "pipeline": (Pipelined(prog, pipe, devices, branch_hook=emulate), args)}
+            "pipeline": (Pipelined(prog, pipe, devices, branch_hook=emulate), args),
+            **alone_runs}
     measured = _time_steps(runs, reps)
     predicted = {"SPMD": spmd.predicted_step_time + overhead,
-                 "pipeline": pipe.predicted_step_time + overhead}
+                 "pipeline": pipe.predicted_step_time + overhead,
+                 "alone": alone.predicted_step_time + overhead}
     return {"model": f"{model}-{config}", "ratio": f"{ratio:g}:1", "link": link,
             "measured": measured, "predicted": predicted, "spmd_chosen": spmd.chosen,
             "pipeline": {"micros": pipe.pipeline["micros"], "schedule": pipe.pipeline["schedule"],
                          "stages": [s["island"] for s in pipe.stages],
+                         "work": [(s["forward"] + s["backward"]) * pipe.pipeline["micros"]
+                                  for s in pipe.stages],
                          "by_kind": pipe.pipeline["by_kind"]},
             "calibration": {"flops": 1e11 * scale, "overhead": overhead, "probe_1to1": t1,
-                            "probe_thrice": t1 + 2 * work, "link_in_step": link["bandwidth"]}}
+                            "probe_thrice": t1 + 2 * work, "alone_1to1": alone_1to1,
+                            "link_in_step": link["bandwidth"]}}
 
 
 @contextlib.contextmanager
@@ -179,22 +205,35 @@ def behind_link(link: str, module: str, kwargs: dict) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def best_spmd(times: dict) -> float:
+    """The best SPMD-only time of a row's: over both devices, or the fast device alone
+    (rows from before 2026-12-05 have only the first)."""
+    return min(times["SPMD"], times.get("alone", float("inf")))
+
+
 def format_row(r: dict) -> str:
     m, p = r["measured"], r["predicted"]
     ln = r["link"]
+    pipe = r["pipeline"]
+    idle = [s for s, w in zip(pipe["stages"], pipe.get("work", [1] * len(pipe["stages"]))) if w <= 0]
     lines = [f"{r['model']} at {r['ratio']}, link {r.get('link_limit', 'loopback')} (psum sweep "
              f"{ln.get('swept_bandwidth', ln['bandwidth']) / 1e6:.1f} MB/s, in a step "
              f"{ln['bandwidth'] / 1e6:.1f} MB/s, {ln['latency'] * 1e6:.0f} us); "
-             f"pipeline {len(r['pipeline']['stages'])} stages x {r['pipeline']['micros']} "
-             f"microbatches, {r['pipeline']['schedule']}; SPMD-only: {r['spmd_chosen']}",
-             f"{'':>10} {'SPMD-only':>10} {'pipeline':>10} {'speed-up':>9}"]
+             f"pipeline {len(pipe['stages'])} stages x {pipe['micros']} microbatches, "
+             f"{pipe['schedule']}" + (f" ({', '.join(idle)} idle: the fast device alone, "
+                                      f"in microbatches)" if idle else "")
+             + f"; SPMD-only: {r['spmd_chosen']}",
+             f"{'':>10} {'SPMD-only':>10} {'fast alone':>10} {'pipeline':>10} {'speed-up':>9}"
+             f"  (over the better SPMD-only)"]
+    cols = ("SPMD", "alone", "pipeline")
     for label, d in (("measured", m), ("predicted", p)):
-        lines.append(f"{label:>10} {d['SPMD'] * 1e3:8.1f}ms {d['pipeline'] * 1e3:8.1f}ms "
-                     f"{d['SPMD'] / d['pipeline']:8.2f}x")
-    sm, sp = m["SPMD"] / m["pipeline"], p["SPMD"] / p["pipeline"]
-    lines.append(f"{'error':>10} {100 * (p['SPMD'] - m['SPMD']) / m['SPMD']:+9.0f}% "
-                 f"{100 * (p['pipeline'] - m['pipeline']) / m['pipeline']:+9.0f}% "
-                 f"{100 * (sp - sm) / sm:+8.0f}%")
+        lines.append(f"{label:>10} " + " ".join(
+            f"{d[k] * 1e3:8.1f}ms" if k in d else f"{'-':>10}" for k in cols)
+            + f" {best_spmd(d) / d['pipeline']:8.2f}x")
+    sm, sp = best_spmd(m) / m["pipeline"], best_spmd(p) / p["pipeline"]
+    lines.append(f"{'error':>10} " + " ".join(
+        f"{100 * (p[k] - m[k]) / m[k]:+9.0f}%" if k in m else f"{'-':>10}" for k in cols)
+        + f" {100 * (sp - sm) / sm:+8.0f}%")
     return "\n".join(lines)
 
 

@@ -151,6 +151,44 @@ def test_processes_wait_for_each_other_at_a_barrier():
     assert out["waited"] > 1.0
 
 
+def _agree():
+    import zlib
+
+    from jax.experimental import multihost_utils as mh
+
+    rank = jax.process_index()
+    got = launch.agreed({"rank": rank, "measured": 0.1 + rank})
+
+    from hapsynth.api import make_plan
+    from hapsynth.ir import lift
+
+    step, args = get("mlp", "tiny", devices=2)
+    _, graph = lift(step, *args)
+    n = len(jax.tree.leaves(args[:2]))
+    cluster = hs.Cluster.simulated([("CPU", 1, {"name": "fast", "flops": 1e11}),
+                                    ("CPU", 1, {"name": "slow", "flops": 5e10})])
+
+    def make():  # process 0 plans; the others must not (they would plan apart)
+        if rank:
+            raise AssertionError("only process 0 plans")
+        return make_plan(graph, cluster, num_state_leaves=n, data_inputs=graph.inputs[n:],
+                         time_limit=2)
+
+    plan = launch.agreed_plan(make)
+    seen = mh.process_allgather(np.array([got["rank"], zlib.crc32(plan.to_json().encode())],
+                                         np.int64))
+    return {"ranks": seen[:, 0].tolist(), "plans": seen[:, 1].tolist()}
+
+
+@pytest.mark.slow
+def test_processes_plan_once_and_share_what_plans_are_made_from():
+    """Every process gets process 0's measurements and plan (two processes that plan
+    apart may run different programs, which gloo aborts on)."""
+    out = launch.run("test_emulation:_agree", processes=2, timeout=300, pin=False)
+    assert out["ranks"] == [0, 0]
+    assert out["plans"][0] == out["plans"][1]
+
+
 def _boom():
     raise RuntimeError("task failed on purpose")
 

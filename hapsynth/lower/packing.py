@@ -23,7 +23,18 @@ class Packing:
             self.slots[key] = (k, self.sizes.get(k, 0), tuple(shape))
             self.sizes[k] = self.sizes.get(k, 0) + n
 
-    def pack(self, values: dict, sizes: dict) -> tuple:
+    def pack(self, values: dict, sizes: dict, into: tuple | None = None) -> tuple:
+        """`values` in flat buffers of `sizes` (per dtype), the rest zeros; or, given
+        `into` (buffers of those sizes), the slots of those in `values` written over it, the
+        rest kept: in place where XLA may reuse the buffers (a concatenation padded to a
+        large buffer runs far below memory speed on XLA's CPU backend, and writes all of it)."""
+        if into is not None:
+            out = dict(zip(sizes, into))
+            for key, (k, off, _) in self.slots.items():
+                if key in values:
+                    out[k] = lax.dynamic_update_slice(
+                        out[k], jnp.ravel(values[key]).astype(k), (off,))
+            return tuple(out[k] for k in sizes)
         parts = {k: [] for k in sizes}
         for key, (k, _, shape) in self.slots.items():
             parts[k].append(jnp.ravel(values[key]).astype(k))

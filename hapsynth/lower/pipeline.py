@@ -629,6 +629,12 @@ class Pipelined:
             acc[ph], tuple(self.acc_sizes[ph])).items()} for s in range(S)]
         keys = [list(a) for a in avail]
 
+        # per stage, its state leaves -> the new values; written into "new" as they are made
+        stores = [{p: o for p, o in enumerate(outs[:self.nstate])
+                   if self.owner[p] == s and isinstance(o, int)} for s in range(S)]
+        done: list[set] = [set() for _ in range(S)]
+        ctx = {**ctx, "new": list(ctx["state"])}
+
         def context():
             return {**ctx, "avail": [[avail[s][t] for t in keys[s]] for s in range(S)]}
 
@@ -668,26 +674,35 @@ class Pipelined:
                 break
             # this round's ops, per stage, in a switch: the new values read after it (by a
             # later round or as outputs) packed per stage
+            # (a new state leaf read by nothing else goes straight into its stage's buffers)
             later = {x for j in range(S) for i in self.post[j] if level[i] > k
                      for x in prog.eqns[i].inputs if isinstance(x, int)} | {
-                o for o in outs if isinstance(o, int)}
-            made = {s: [t for i in self.post[s] if level[i] == k for t in prog.eqns[i].outputs
-                        if t in later] for s in range(S)}
-            packs = [Packing([(t, prog.avals[t].shape, prog.avals[t].dtype) for t in made[s]])
-                     for s in range(S)]
+                o for o in outs[self.nstate:] if isinstance(o, int)}
+            made = {s: [t for i in self.post[s] if level[i] == k for t in prog.eqns[i].outputs]
+                    for s in range(S)}
+            stored = {s: {p: o for p, o in store.items() if o in made[s] and o not in later}
+                      for s, store in enumerate(stores)}
+            packs = [Packing([(t, prog.avals[t].shape, prog.avals[t].dtype) for t in made[s]
+                              if t in later or t in outs[:self.nstate]
+                              and t not in stored[s].values()]) for s in range(S)]
             sizes = bundle(packs)
 
-            def rnd(s, c, k=k, packs=packs, sizes=sizes):
+            def rnd(s, c, k=k, packs=packs, sizes=sizes, stored=stored):
                 known, env = view(s, c)
                 run = self._evaluator(s, None, None, env, lambda x: known[x])
                 for i in self.post[s]:
                     if level[i] == k:
                         run(i)
-                return packs[s].pack({t: env[t] for t in packs[s].slots}, sizes)
+                new = self.state_packing[s].pack({p: env[o] for p, o in stored[s].items()},
+                                                 self.state_sizes, into=tuple(c["new"]))
+                return (*packs[s].pack({t: env[t] for t in packs[s].slots}, sizes), *new)
 
             bufs = self._stage_switch(sidx, context(), raw, rnd)
+            ctx["new"], bufs = list(bufs[len(sizes):]), bufs[:len(sizes)]
             for s in range(S):
                 avail[s].update(packs[s].unpack(bufs, tuple(sizes)))
+                for p in stored[s]:
+                    done[s].add(p)
             keys = [list(a) for a in avail]
 
         def stage_state(s, c):
@@ -695,7 +710,7 @@ class Pipelined:
             run = self._evaluator(s, None, None, env, lambda x: known[x])
             vals = {}
             for p, o in enumerate(outs[:self.nstate]):
-                if self.owner[p] != s:
+                if self.owner[p] != s or p in done[s]:
                     continue
                 if isinstance(o, Const):
                     vals[p] = jnp.broadcast_to(jnp.asarray(o.value), o.aval.shape)
@@ -706,7 +721,7 @@ class Pipelined:
                 else:
                     run(self.producer[o])
                     vals[p] = env[o]
-            return self.state_packing[s].pack(vals, self.state_sizes)
+            return self.state_packing[s].pack(vals, self.state_sizes, into=tuple(c["new"]))
 
         new_state = self._stage_switch(sidx, context(), raw, stage_state)
         wanted = [o for o in outs[self.nstate:] if not isinstance(o, Const)]
