@@ -71,26 +71,10 @@ def test_stage_analysis_of_a_tied_gpt():
             assert stage_of(r.rank[producer[out]], cut) == stage_of(r.owner_rank[i], cut)
 
 
-def test_a_gradients_transpose_runs_with_the_dot_making_it():
-    """JAX writes a weight's gradient as a dot then a transpose: the transpose runs per
-    microbatch on the dot's stage (XLA folds it there), not once after the loop (XLA's
-    CPU backend ran it inside the optimizer's fusion at a fraction of memory speed)."""
-    step, args = get("gpt", "tiny")
-    graph, dp, r, n = _regions(step, args, two_islands())
-    producer = {t: op.id for op in graph.ops for t in op.outputs}
-    moved = [op for op in graph.ops if op.primitive == "transpose" and all(
-        x in producer and r.region[producer[x]] == "micro" and dp.tensor_layouts[x].kind == "P"
-        for x in op.inputs)]
-    assert len(moved) >= 4  # the blocks' weight gradients, at least
-    for op in moved:
-        assert r.region[op.id] == "micro" and not r.forward[op.id]
-        assert r.rank[op.id] == r.rank[producer[op.inputs[0]]]
-
-
 def test_the_new_state_is_written_into_its_buffers():
     """Each stage writes its new state over its state buffers (dynamic-update-slice, in
     place), not as a concatenation padded to the largest stage's buffer: on XLA's CPU
-    backend that ran far below memory speed (seconds a step for the zoo's paper MLP)."""
+    backend that ran far below memory speed (1.3-1.7 s a step for the zoo's paper MLP)."""
     step, args = get("gpt", "tiny")
     low = hs.parallelize(step, cluster=two_islands(), pipeline=True, time_limit=1).lowered(*args)
     hlo = {"float32": "f32", "int32": "s32", "uint32": "u32", "bfloat16": "bf16", "float16": "f16"}

@@ -32,14 +32,6 @@ from hapsynth.ir.graph import Graph
 __all__ = ["NotPipelineable", "Regions", "analyse", "stage_of"]
 
 
-#: Ops that only move a partial sum's elements (a weight gradient's transpose, as JAX
-#: writes `dot_general`'s) run per microbatch with the op making it: each microbatch's
-#: part moved, then summed, is the sum moved. Left after the microbatches' loop, XLA
-#: cannot fold the transpose into the dot, and its CPU backend runs one inside the
-#: optimizer's loop fusion at a fraction of memory speed (mlp paper: seconds a step).
-_MOVES = frozenset({"transpose", "reshape"})
-
-
 class NotPipelineable(ValueError):
     """The step cannot run as microbatches (why, in words)."""
 
@@ -86,7 +78,6 @@ def analyse(graph: Graph, layouts, op_inputs, num_state_leaves: int) -> Regions:
     batch = _batch_rows(graph, layouts, data)
     on_data, on_state = [False] * n, [False] * n
     region = [""] * n
-    moved = []  # ops run per microbatch beside the op making their partial sum (_MOVES)
     leaves = set(state)
     for op in ops:
         outs = [layouts[t] for t in op.outputs]
@@ -101,11 +92,6 @@ def analyse(graph: Graph, layouts, op_inputs, num_state_leaves: int) -> Regions:
             region[op.id] = "pre"
         else:
             region[op.id] = "post"
-        if region[op.id] == "post" and op.primitive in _MOVES and op.carries == "unary" and all(
-                x is None or x in producer and region[producer[x]] == "micro"
-                and layouts[x].kind == "P" for x in op.inputs):
-            region[op.id] = "micro"  # see _MOVES
-            moved.append(op.id)
     # what data alone makes and is read whole (a count of real tokens, read per example;
     # a mask read after the microbatches) is made once from the whole batch: "data"
     for op in reversed(ops):
@@ -240,8 +226,6 @@ def analyse(graph: Graph, layouts, op_inputs, num_state_leaves: int) -> Regions:
                     rank[producer[x]] = max(rank[producer[x]], rank[op.id])
     rank = _fewest_crossing(graph, rank, forward, backward, params_of, first, down,
                             sorted({r for r in first.values() if r > 0}), layouts)
-    for i in moved:  # with the op making what it moves: the sum crosses once, if at all
-        rank[i] = max(rank[producer[x]] for x in ops[i].inputs if x is not None)
     for op in ops:  # post ops
         if region[op.id] != "post":
             continue
