@@ -21,7 +21,10 @@ its backward ops) at its rows and adds its partial sums (gradients, loss) into
 accumulators; after the last tick these are summed over the stage's devices (`psum`
 on "data") and the stages run their remaining ops once (the optimizer), in rounds where
 a value made on one stage is read on another (a global norm, a tied embedding's
-gradient). Ops of no stage (reading only data and constants, or only state) are
+gradient); each new state leaf is written over its place in the stage's buffer as soon
+as it is made (`Packing.pack(into=)`: a concatenation padded to the largest stage ran far
+below memory speed on XLA CPU). The accumulators are still packed and added whole each
+tick, and XLA copies them inside the loop: costly for large states on CPU. Ops of no stage (reading only data and constants, or only state) are
 computed where they are read.
 """
 from __future__ import annotations
