@@ -391,21 +391,28 @@ class Pipelined:
                 return (acc, _store(pool, outs[:len(pool)], keep_out[i, sidx]),
                         tuple(outs[len(pool):]))
 
-            def other(acc, pool):  # idle, a forward keeping nothing, a backward
-                def idle(acc, pool):
-                    return acc, tuple(jnp.zeros((n,), k) for d in shifts
-                                      for k, n in self.wire_sizes[d].items())
-                fns = [idle] + [functools.partial(work, k, ph) for k, ph in ((1, "F"), (2, "B"))
-                                if kinds[k]]
-                pick = np.zeros(4, np.int32)
-                pick[[0] + [k + 1 for k in (1, 2) if kinds[k]]] = np.arange(len(fns))
-                acc, outs = lax.switch(jnp.asarray(pick)[kind[i, sidx]], fns, acc, pool)
+            def idle(acc, pool):
+                return acc, tuple(jnp.zeros((n,), k) for d in shifts
+                                  for k, n in self.wire_sizes[d].items())
+
+            def other(acc, pool):  # idle (a backward, below), a forward keeping nothing
+                if not kinds[1]:
+                    return (*idle(acc, pool)[:1], pool, idle(acc, pool)[1])
+                acc, outs = lax.cond(kind[i, sidx] == 2, functools.partial(work, 1, "F"),
+                                     idle, acc, pool)
                 return acc, pool, tuple(outs)
 
+            # the backward's sums in a cond of their own, its one buffer operand: passed
+            # through the forwards' and the idle branches too, XLA copied them whole there
+            forward = {"F": acc["F"]}
             if kinds[0]:
-                acc, pool, outs = lax.cond(kind[i, sidx] == 1, keeping, other, acc, pool)
+                forward, pool, outs = lax.cond(kind[i, sidx] == 1, keeping, other, forward, pool)
             else:
-                acc, pool, outs = other(acc, pool)
+                forward, pool, outs = other(forward, pool)
+            back, outs_b = lax.cond(kind[i, sidx] == 3, functools.partial(work, 2, "B"), idle,
+                                    {"B": acc["B"]}, pool)
+            acc = {**forward, **back}
+            outs = tuple(jnp.where(kind[i, sidx] == 3, b, f) for f, b in zip(outs, outs_b))
             if self.delay:  # what the last tick made crosses, independent of this tick's work
                 outs, made = made, tuple(outs)
             mail, k, crossed = dict(mail), 0, None
