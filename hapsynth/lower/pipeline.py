@@ -23,8 +23,10 @@ on "data") and the stages run their remaining ops once (the optimizer), in round
 a value made on one stage is read on another (a global norm, a tied embedding's
 gradient); each new state leaf is written over its place in the stage's buffer as soon
 as it is made (`Packing.pack(into=)`: a concatenation padded to the largest stage ran far
-below memory speed on XLA CPU). The accumulators are still packed and added whole each
-tick, and XLA copies them inside the loop: costly for large states on CPU. Ops of no stage (reading only data and constants, or only state) are
+below memory speed on XLA CPU). The backward's sums are the one buffer operand of a
+cond of their own (passed through the other kinds of work, XLA copied them whole every
+tick); each backward still packs its gradients by a concatenation and adds it whole,
+which XLA's CPU backend runs slowly for large models. Ops of no stage (reading only data and constants, or only state) are
 computed where they are read.
 """
 from __future__ import annotations
