@@ -26,8 +26,8 @@ as it is made (`Packing.pack(into=)`: a concatenation padded to the largest stag
 below memory speed on XLA CPU). The backward's sums are the one buffer operand of a
 cond of their own (passed through the other kinds of work, XLA copied them whole every
 tick); each backward still packs its gradients by a concatenation and adds it whole,
-which XLA's CPU backend runs slowly for large models. Ops of no stage (reading only data and constants, or only state) are
-computed where they are read.
+which XLA's CPU backend runs slowly for large models. Ops of no stage (reading only
+data and constants, or only state) are computed where they are read.
 """
 from __future__ import annotations
 
@@ -398,10 +398,8 @@ class Pipelined:
                                   for k, n in self.wire_sizes[d].items())
 
             def other(acc, pool):  # idle (a backward, below), a forward keeping nothing
-                if not kinds[1]:
-                    return (*idle(acc, pool)[:1], pool, idle(acc, pool)[1])
                 acc, outs = lax.cond(kind[i, sidx] == 2, functools.partial(work, 1, "F"),
-                                     idle, acc, pool)
+                                     idle, acc, pool) if kinds[1] else idle(acc, pool)
                 return acc, pool, tuple(outs)
 
             # the backward's sums in a cond of their own, its one buffer operand: passed
