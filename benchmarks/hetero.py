@@ -48,10 +48,10 @@ _BARRIERS = itertools.count()  # each barrier's name is used once
 def _time_steps(runs: dict, reps: int, warmup: int = 2) -> dict:
     """Alternate the programs step by step; median seconds per step of each (process
     0's, on every process: `launch.agreed`). Across processes, every step starts
-    together, after all have finished the step before, so that no process starts a program while another still runs the last one (behind the
-    slow link gloo aborted runs on messages of mismatched sizes, "Received data size
-    doesn't match expected size"; this closes one way that could happen, see
-    RESULTS.md)."""
+    together, after all have finished the step before, so that no process starts a
+    program while another still runs the last one (behind the slow link gloo aborted
+    runs on messages of mismatched sizes, "Received data size doesn't match expected
+    size"; this closes one way that could happen, see RESULTS.md)."""
     import jax
 
     from hapsynth._jax import process_barrier
