@@ -2,6 +2,8 @@
 and pipelined programs equal to `jax.jit(train_step)` on one device."""
 from __future__ import annotations
 
+import re
+
 from dataclasses import replace
 
 import jax
@@ -13,6 +15,7 @@ import pytest
 import hapsynth as hs
 from hapsynth.api import state_arity
 from hapsynth.ir import lift_program, trace
+from hapsynth.lower.packing import dtype_of
 from hapsynth.models import get
 from hapsynth.synth.pipeline import SCHEDULES, late_ticks, stage_parts, ticks
 from hapsynth.synth.pipeschedule import schedule
@@ -276,15 +279,36 @@ def test_every_device_holds_the_buffers_priced(cluster):
         f"[{tb.mail_slots[c] + 1},{low.D},{n}]" if low.chunked[c[0]] else
         f"[{tb.mail_slots[c] + 1},{n}]" for c in low.chan_pack for n in low.chan_sizes[c].values()}
     hlo = {"float32": "f32", "int32": "s32", "uint32": "u32", "bfloat16": "bf16"}
-    sums = {f"= {hlo[np.dtype(k).name]}[{n}]{{0}}" for k, n in low.acc_sizes["B"].items()}
-    copies, entry = [], False  # in the loop (its body and branches), not once per step
-    for line in compiled.as_text().splitlines():
-        if line and not line.startswith(" "):
-            entry = line.startswith("ENTRY")
-        elif not entry and " copy(" in line and any(w in line.split(" copy(")[0] for w in whole) \
-                or " copy(" in line and any(w in line for w in sums):
-            copies.append(line)
+    sums = {f"= {hlo[dtype_of(k)]}[{n}]{{0}}" for k, n in low.acc_sizes["B"].items()}
+    copies = []  # in the tick loop (its body and the computations it calls)
+    for line in _in_loop(compiled.as_text()):
+        if " copy(" in line and (any(w in line.split(" copy(")[0] for w in whole)
+                                 or any(w in line for w in sums)
+                                 and "broadcast" not in line.split(" copy(")[1]):
+            copies.append(line)  # (a copy of zeros is a buffer's first value, not a copy)
     assert low.keep_buffers > 1 and not copies, copies[:3]
+
+
+def _in_loop(hlo: str) -> list[str]:
+    """The lines of HLO text's computations run in a while loop: the loops' bodies and
+    what they call, transitively."""
+    comps, name = {}, None
+    for line in hlo.splitlines():
+        if line and not line.startswith(" ") and "{" in line:
+            name = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
+            comps[name] = []
+        elif name and line.startswith(" "):
+            comps[name].append(line)
+    called = lambda lines: {m for x in lines for m in re.findall(r"%([\w.\-]+)", x) if m in comps}
+    todo = [m for x in comps.values() for line in x if " while(" in line
+            for m in re.findall(r"body=%([\w.\-]+)", line)]
+    seen: set = set()
+    while todo:
+        c = todo.pop()
+        if c not in seen:
+            seen.add(c)
+            todo += called(comps[c])
+    return [line for c in seen for line in comps[c]]
 
 
 def _jaxprs(jaxpr):
@@ -841,6 +865,40 @@ def test_pricing_counts_each_crossing_once():
     want = sum(graph.tensors[t].nbytes for t, ph in crossing
                if not r.forward[producer[t]])
     assert sc["send"][1, 0, 1] == want
+
+
+def test_the_sums_are_priced_as_the_lowering_allocates_and_adds_them():
+    """Each gradient has a buffer of its own (the largest of each stage in the first, and
+    so on): the pricing counts the bytes the lowering allocates, and every backward pays
+    an add over the backward's buffers (read twice, written once) at memory speed."""
+    from hapsynth.synth.pipeline import _Costs, _Evaluator
+    step, args = get("gpt", "tiny")
+    cluster = two_islands()
+    plan = hs.parallelize(step, cluster=cluster, pipeline=True, time_limit=1).plan(*args)
+    low = hs.parallelize(step, cluster=cluster, plan=plan).lowered(*args)
+    graph, dp, r, n = _regions(step, args, cluster)
+    parts, _ = stage_parts(cluster)
+    ev = _Evaluator(graph, cluster, r, n, _Costs(graph, cluster, r, parts), dp.tensor_layouts)
+    order = tuple(next(k for k, d in enumerate(parts) if list(d) == st["devices"])
+                  for st in plan.stages)
+    cuts = tuple(plan.pipeline["cuts"])
+    sc = ev.scan(order, cuts)
+    size = {ph: sum(m * np.dtype(dtype_of(k)).itemsize for k, m in low.acc_sizes[ph].items())
+            for ph in "FB"}
+    assert len(low.acc_sizes["B"]) > 2 and sc["sums"] == size["F"] + size["B"]
+    assert sc["added"] == size["B"]
+    M = plan.pipeline["micros"]
+    p = ev.price(order, cuts, M, plan.pipeline["schedule"])
+    for s, k in enumerate(order):
+        bw = min(cluster.device_class(d).mem_bandwidth for d in parts[k])
+        assert p.backward[s] >= 3 * size["B"] / bw > 0
+    slow = _Evaluator(graph, cluster, r, n, _Costs(graph, cluster, r, parts), dp.tensor_layouts)
+    slow.scan(order, cuts)["added"] *= 2
+    q = slow.price(order, cuts, M, plan.pipeline["schedule"])
+    for s, k in enumerate(order):
+        bw = min(cluster.device_class(d).mem_bandwidth for d in parts[k])
+        assert q.backward[s] - p.backward[s] == pytest.approx(3 * size["B"] / bw)
+        assert q.forward[s] == p.forward[s]
 
 
 def test_cut_points_are_priced_by_what_crosses_them():

@@ -9,16 +9,34 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["Packing", "Ref", "bundle", "trim", "pad_to"]
+__all__ = ["Packing", "Ref", "bundle", "dtype_of", "trim", "pad_to"]
+
+
+def dtype_of(k: str) -> str:
+    """The dtype of buffer `k` ("float32", or "float32/3" for a buffer of its own)."""
+    return k.split("/")[0]
 
 
 class Packing:
-    """Named arrays laid end to end in one flat buffer per dtype."""
+    """Named arrays laid end to end in one flat buffer per dtype; or, `apart`, each in a
+    buffer of its own, the largest of each dtype in its first ("float32/0"), the next in
+    its second, and so on: what is added to every microbatch (gradient sums), since
+    XLA's CPU backend concatenates far below memory speed (150 MB in about a second),
+    while adding a whole buffer runs at it; stages with layers of one shape leave a
+    buffer no larger than its largest value."""
 
-    def __init__(self, items):
+    def __init__(self, items, apart: bool = False):
         self.slots, self.sizes = {}, {}
+        items = list(items)
+        if apart:
+            items = sorted(items, key=lambda x: (np.dtype(x[2]).name,
+                                                 -int(np.prod(x[1], dtype=np.int64))))
+        count: dict = {}
         for key, shape, dtype in items:
             k = np.dtype(dtype).name
+            if apart:
+                count[k] = count.get(k, -1) + 1
+                k = f"{k}/{count[k]}"
             n = int(np.prod(shape, dtype=np.int64))
             self.slots[key] = (k, self.sizes.get(k, 0), tuple(shape))
             self.sizes[k] = self.sizes.get(k, 0) + n
@@ -33,14 +51,15 @@ class Packing:
             for key, (k, off, _) in self.slots.items():
                 if key in values:
                     out[k] = lax.dynamic_update_slice(
-                        out[k], jnp.ravel(values[key]).astype(k), (off,))
+                        out[k], jnp.ravel(values[key]).astype(dtype_of(k)), (off,))
             return tuple(out[k] for k in sizes)
         parts = {k: [] for k in sizes}
         for key, (k, _, shape) in self.slots.items():
-            parts[k].append(jnp.ravel(values[key]).astype(k))
+            parts[k].append(jnp.ravel(values[key]).astype(dtype_of(k)))
         out = []
         for k, n in sizes.items():
-            flat = jnp.concatenate(parts[k]) if parts[k] else jnp.zeros((0,), k)
+            flat = (parts[k][0] if len(parts[k]) == 1 else jnp.concatenate(parts[k])
+                    if parts[k] else jnp.zeros((0,), dtype_of(k)))
             out.append(jnp.pad(flat, (0, n - flat.shape[0])))
         return tuple(out)
 

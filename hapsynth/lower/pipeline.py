@@ -23,11 +23,13 @@ on "data") and the stages run their remaining ops once (the optimizer), in round
 a value made on one stage is read on another (a global norm, a tied embedding's
 gradient); each new state leaf is written over its place in the stage's buffer as soon
 as it is made (`Packing.pack(into=)`: a concatenation padded to the largest stage ran far
-below memory speed on XLA CPU). The backward's sums are the one buffer operand of a
-cond of their own (passed through the other kinds of work, XLA copied them whole every
-tick); each backward still packs its gradients by a concatenation and adds it whole,
-which XLA's CPU backend runs slowly for large models. Ops of no stage (reading only
-data and constants, or only state) are computed where they are read.
+below memory speed on XLA CPU). The backward's sums are the operands of a cond of
+their own (passed through the other kinds of work, XLA copied them whole every tick),
+one buffer per value (`Packing(apart=True)`: each stage's largest gradient of a dtype
+in the first, and so on), so a backward adds each gradient where it lies (packed by a
+concatenation, the MLP's 58.6M floats took XLA's CPU backend seconds per backward).
+Ops of no stage (reading only data and constants, or only state) are computed where
+they are read.
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ from hapsynth.ir.rules import evaluate_block, facts, local_params
 from hapsynth.ir.signature import of_program
 from hapsynth.ir.trace import Const, Program
 from hapsynth.lower import cpu
-from hapsynth.lower.packing import Packing, Ref, bundle, pad_to, trim
+from hapsynth.lower.packing import Packing, Ref, bundle, dtype_of, pad_to, trim
 from hapsynth.synth.slots import B, F, tick_tables
 from hapsynth.lower.values import Sharded, Staged, StagedRows, unshard
 from hapsynth.synth.plan import Plan
@@ -209,7 +211,7 @@ class Pipelined:
         made_in = {t: "F" if r.forward[i] else "B" for i, e in enumerate(prog.eqns)
                    for t in e.outputs}
         self.acc_packing = {ph: [Packing([(t, prog.avals[t].shape, prog.avals[t].dtype)
-                                          for t in self.acc[s] if made_in[t] == ph])
+                                          for t in self.acc[s] if made_in[t] == ph], apart=True)
                                  for s in range(self.S)] for ph in "FB"}
         self.acc_sizes = {ph: bundle(ps) for ph, ps in self.acc_packing.items()}
         # parameters a stage reads but another stores
@@ -441,7 +443,7 @@ class Pipelined:
                     mail[c] = _store(mail[c], new, mail_out[c][i, sidx])
             return acc, pool, mail, made
 
-        acc = {ph: tuple(jnp.zeros((n,), k) for k, n in self.acc_sizes[ph].items())
+        acc = {ph: tuple(jnp.zeros((n,), dtype_of(k)) for k, n in self.acc_sizes[ph].items())
                for ph in "FB"}
         mail = {c: tuple(jnp.zeros((tb.mail_slots[c] + 1,) + ((self.D,) if self.chunked[c[0]]
                                                          else ()) + (n,), k)

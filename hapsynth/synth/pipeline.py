@@ -4,7 +4,8 @@ A pipeline here is one stage per island or per equal part of one (`stage_parts`)
 some order of the islands, each stage a contiguous range of ranks (`stages.py`), data
 parallel inside its devices at FLOP/s-proportional rows (uneven
 where the island mixes classes). Priced per microbatch: every stage's forward and
-backward at its rows; each tensor crossing a boundary over the link between the two
+backward at its rows (and the backward's add of its gradients into the sums, at memory
+speed); each tensor crossing a boundary over the link between the two
 islands; the schedule simulated (`pipeschedule.py`) for its order, then priced in lock step
 as the lowering runs it (`lockstep`: a tick lasts its longest work and then its longest
 transfer each way, one way after the other, or, sending a tick late beside the next
@@ -33,7 +34,7 @@ from hapsynth.synth.collectives import all_reduce
 from hapsynth.synth.costmodel import compute_time
 from hapsynth.synth.pipeschedule import PipeSchedule, Slot, schedule
 from hapsynth.synth.plan import Plan
-from hapsynth.synth.slots import tick_tables
+from hapsynth.synth.slots import sums_bytes, tick_tables
 from hapsynth.synth.stages import Regions, stage_of
 
 __all__ = ["Pipeline", "plan_pipeline", "rows_of", "islands_of"]
@@ -275,6 +276,7 @@ class _Evaluator:
         send = np.zeros((S, S, 2))       # bytes of the whole batch a -> b, forward/backward
         once = np.zeros((S, S))          # bytes per step a -> b after the microbatches (sums)
         acc, resid = [0.0] * S, [0.0] * S
+        sums: list[list] = [[] for _ in range(S)]  # per stage: (forward?, dtype, bytes)
         needs: list[set] = [set() for _ in range(S)]
         nops = [[0, 0] for _ in range(S)]   # per stage: forward and backward ops
         seen: set = set()
@@ -288,7 +290,10 @@ class _Evaluator:
                 else:
                     bwd[s] += t
                     nops[s][1] += 1
-                acc[s] += sum(g.tensors[o].nbytes for o in op.outputs if o in self.partials)
+                for o in op.outputs:
+                    if o in self.partials:
+                        acc[s] += g.tensors[o].nbytes
+                        sums[s].append((r.forward[i], str(g.tensors[o].dtype), g.tensors[o].nbytes))
             elif reg == "post":
                 whole[s] += costs.whole(i, order[s])
             if reg in ("pre", "data") or s < 0:
@@ -306,10 +311,10 @@ class _Evaluator:
                     needs[s] |= r.reads[j]
                     continue
                 a = st[j]
-                key = (x, s, reg == "micro" and not r.forward[i])
-                if key in seen:  # a tensor is kept, sent or summed once, however many read it
+                use = (x, s, reg == "micro" and not r.forward[i])
+                if use in seen:  # a tensor is kept, sent or summed once, however many read it
                     continue
-                seen.add(key)
+                seen.add(use)
                 if a < 0 or a == s:
                     if a == s and r.forward[j] and reg == "micro" and not r.forward[i]:
                         resid[s] += g.tensors[x].nbytes
@@ -319,7 +324,8 @@ class _Evaluator:
                 else:
                     once[a, s] += g.tensors[x].nbytes
         out = dict(owner=owner, fwd=fwd, bwd=bwd, whole=whole, send=send, once=once, acc=acc,
-                   resid=resid, needs=needs, nops=nops)
+                   resid=resid, needs=needs, nops=nops, sums=sums_bytes(sums),
+                   added=sums_bytes([[x for x in mine if not x[0]] for mine in sums]))
         self._scans[key] = out
         return out
 
@@ -332,7 +338,11 @@ class _Evaluator:
         g = self.g
         extra = self.op_overhead * (M - 1) / M  # per op and microbatch, see OP_OVERHEAD
         fwd = [x / M + n * extra for x, (n, _) in zip(sc["fwd"], sc["nops"])]
-        bwd = [x / M + n * extra for x, (_, n) in zip(sc["bwd"], sc["nops"])]
+        # a backward adds its gradients to the sums: every buffer of them read twice and
+        # written once, at the stage's slowest memory (unchanged by M: M of them a step)
+        add = [3 * sc["added"] / min(cluster.device_class(d).mem_bandwidth for d in devs)
+               for devs in islands]
+        bwd = [x / M + n * extra + a for x, (_, n), a in zip(sc["bwd"], sc["nops"], add)]
         send = sc["send"] / M
         resid = [x / M for x in sc["resid"]]
         rows = tuple(rows_of(cluster, devs, r.batch // M) for devs in islands)
@@ -382,7 +392,7 @@ class _Evaluator:
             copied_bytes[s] = sum(g.tensors[g.inputs[p]].nbytes for p in needs[s] if owner[p] != s)
         share = [max(x / (r.batch // M) for x in rs) for rs in rows]
         per_micro = [resid[s] * share[s] for s in range(S)]  # one microbatch's residuals, per device
-        fixed = max(own) + max(copied_bytes) + max(acc)
+        fixed = max(own) + max(copied_bytes) + sc["sums"]
         keep = max(per_micro)
         memory_cap = [max(1, int((cap - fixed) // keep)) - 1 if keep else M] * S
         sch, delay = None, 0

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["IDLE", "F", "B", "TickTables", "tick_tables", "keep_pool"]
+__all__ = ["IDLE", "F", "B", "TickTables", "tick_tables", "keep_pool", "sums_bytes"]
 
 IDLE, F, B = 0, 1, 2
 PHASE = {"F": F, "B": B}
@@ -124,3 +124,19 @@ def tick_tables(table, stages: int, keeps, channels, delay: int = 0) -> TickTabl
         win[win < 0], wout[wout < 0] = used, used
         mail_in[(d, pha)], mail_out[(d, pha)], mail_slots[(d, pha)] = win, wout, used
     return TickTables(phase, micro, keep_in, keep_out, K, mail_in, mail_out, mail_slots)
+
+
+def sums_bytes(per_stage) -> int:
+    """Bytes of the buffers a stage's sums are added to, as the lowering allocates them
+    (`lower.packing.Packing(apart=True)`): per stage, its values as (group, dtype,
+    bytes), where a group is a phase; each group's largest value of each dtype shares
+    the first buffer of that dtype with every other stage's largest, and so on down."""
+    ranked: dict = {}
+    for values in per_stage:
+        mine: dict = {}
+        for group, dtype, n in values:
+            mine.setdefault((group, dtype), []).append(n)
+        for key, sizes in mine.items():
+            for j, n in enumerate(sorted(sizes, reverse=True)):
+                ranked[key + (j,)] = max(ranked.get(key + (j,), 0), n)
+    return int(sum(ranked.values()))
