@@ -152,6 +152,7 @@ def measure(model: str, config: str, ratio: float, reps: int, time_limit: float)
                          "stages": [s["island"] for s in pipe.stages],
                          "work": [(s["forward"] + s["backward"]) * pipe.pipeline["micros"]
                                   for s in pipe.stages],
+                         "ops": [s["ops"] for s in pipe.stages],
                          "by_kind": pipe.pipeline["by_kind"]},
             "calibration": {"flops": 1e11 * scale, "overhead": overhead, "probe_1to1": t1,
                             "probe_thrice": t1 + 2 * work, "alone_1to1": alone_1to1,
@@ -215,7 +216,8 @@ def format_row(r: dict) -> str:
     m, p = r["measured"], r["predicted"]
     ln = r["link"]
     pipe = r["pipeline"]
-    idle = [s for s, w in zip(pipe["stages"], pipe.get("work", [1] * len(pipe["stages"]))) if w <= 0]
+    idle = [s for s, n in zip(pipe["stages"], pipe.get("ops", pipe.get(
+        "work", [1] * len(pipe["stages"])))) if n <= 0]  # (before "ops": its work was 0)
     lines = [f"{r['model']} at {r['ratio']}, link {r.get('link_limit', 'loopback')} (psum sweep "
              f"{ln.get('swept_bandwidth', ln['bandwidth']) / 1e6:.1f} MB/s, in a step "
              f"{ln['bandwidth'] / 1e6:.1f} MB/s, {ln['latency'] * 1e6:.0f} us); "

@@ -100,7 +100,7 @@ def row(name: str, config: str, where, time_limit: float) -> dict:
     out = {"model": f"{name}-{config}", "cluster": cluster.name, "auto": auto.predicted_step_time,
            "chosen": auto.chosen, "spmd": auto.baselines["SPMD"], "ideal": auto.baselines["ideal"],
            "stages": len(auto.stages), "why": auto.solver.get("pipeline", ""),
-           "idle": [st["island"] for st in auto.stages if st["forward"] + st["backward"] == 0]}
+           "idle": [st["island"] for st in auto.stages if st["ops"] == 0]}
     try:
         regions = analyse(graph, dp.tensor_layouts, dp.op_inputs, n)
     except NotPipelineable as e:

@@ -70,6 +70,7 @@ class Pipeline:
     rows: tuple[tuple[int, ...], ...]  # per stage, per device: rows of each microbatch
     by_kind: dict = field(default_factory=dict)  # schedule kind -> step at this point
     delay: int = 0                   # ticks between making a message and sending it (`lockstep`)
+    ops: tuple[int, ...] = ()        # per stage: the ops it runs per microbatch (0: idle)
 
 
 def islands_of(cluster: Cluster) -> list[tuple[int, ...]]:
@@ -424,7 +425,7 @@ class _Evaluator:
         fits = memory[0] <= cap
         return Pipeline(tuple(order), tuple(cuts), M, kind, step, sch, tuple(fwd), tuple(bwd),
                         tuple(tail), head, tuple(fw), tuple(bw), memory, fits, rows,
-                        delay=delay)
+                        delay=delay, ops=tuple(f + b for f, b in sc["nops"]))
 
     def _buffers(self, sch, delay, send, share, rows, islands, per_micro) -> float:
         """Per device, the bytes of the keep pool (its slots and the microbatch being
@@ -555,7 +556,7 @@ def as_plan(pipe: Pipeline, dp: Plan, spmd: Plan, cluster: Cluster) -> Plan:
                        "from_rank": 0 if s == 0 else int(pipe.cuts[s - 1]),
                        "rows": list(pipe.rows[s]), "forward": float(pipe.forward[s]),
                        "backward": float(pipe.backward[s]), "tail": float(pipe.tail[s]),
-                       "memory": int(pipe.memory[s]),
+                       "memory": int(pipe.memory[s]), "ops": int(pipe.ops[s]),
                        "in_flight": int(pipe.schedule.in_flight[s])})
     sch = pipe.schedule
     pipeline = {"micros": M, "schedule": pipe.kind, "cuts": [int(c) for c in pipe.cuts],
