@@ -395,7 +395,9 @@ class _Evaluator:
         per_micro = [resid[s] * share[s] for s in range(S)]  # one microbatch's residuals, per device
         fixed = max(own) + max(copied_bytes) + sc["sums"]
         keep = max(per_micro)
-        memory_cap = [max(1, int((cap - fixed) // keep)) - 1 if keep else M] * S
+        # (a stage keeping nothing takes no slot of the pool, however deep its warm-up)
+        memory_cap = [max(1, int((cap - fixed) // keep)) - 1 if keep and per_micro[s] > 0
+                      else M for s in range(S)]
         sch, delay = None, 0
         for late in (0, 1) if self.overlaps and not self.free_running and S > 1 else (0,):
             def run(x, late=late):
