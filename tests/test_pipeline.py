@@ -901,6 +901,36 @@ def test_the_sums_are_priced_as_the_lowering_allocates_and_adds_them():
         assert q.forward[s] == p.forward[s]
 
 
+def test_a_stage_keeping_nothing_is_not_capped_by_the_keep_pool():
+    """The keep pool's memory caps the microbatches in flight on stages that keep
+    something for their backward; a stage keeping nothing takes no slot, whatever its
+    depth (capped too, hetero-1F1B could not choose plain 1F1B's depths beside it)."""
+    import hapsynth.synth.pipeline as pipeline
+    from hapsynth.synth.pipeline import _Costs, _Evaluator
+    step, args = get("gpt", "tiny")
+    cluster = two_islands()
+    graph, dp, r, n = _regions(step, args, cluster)
+    parts, _ = stage_parts(cluster)
+    ev = _Evaluator(graph, cluster, r, n, _Costs(graph, cluster, r, parts), dp.tensor_layouts)
+    cut = (r.cut_points()[0],)
+    sc = ev.scan((0, 1), cut)
+    assert sc["resid"][0] == 0 < sc["resid"][1]
+    caps = []
+    real = pipeline.schedule
+
+    def spy(*a, memory_cap=None, **kw):
+        caps.append(list(memory_cap))
+        return real(*a, memory_cap=memory_cap, **kw)
+
+    pipeline.schedule = spy
+    try:
+        ev.price((0, 1), cut, 4, "hetero-1f1b")
+    finally:
+        pipeline.schedule = real
+    # the stage keeping nothing may hold every microbatch; the other, what memory allows
+    assert caps and all(c[0] == 4 and c[1] != 4 for c in caps)
+
+
 def test_cut_points_are_priced_by_what_crosses_them():
     """The bytes a cut sends one way, for shortlisting cuts where little crosses: the
     backward of a 2-stage cut matches the pricing scan; every cut between sub-blocks
