@@ -867,6 +867,30 @@ def test_pricing_counts_each_crossing_once():
     assert sc["send"][1, 0, 1] == want
 
 
+def test_sums_apart_put_each_value_in_a_buffer_of_its_own():
+    """`Packing(apart=True)`: per dtype, each stage's largest value in the first buffer,
+    the next in the second; `bundle` sizes each buffer for the stage needing most; a
+    value packed and unpacked comes back exactly, the rest of its buffer zeros."""
+    from hapsynth.lower.packing import Packing, bundle
+    a = Packing([("b", (3,), "float32"), ("w", (4, 5), "float32"), ("n", (2,), "int32")],
+                apart=True)
+    b = Packing([("v", (7,), "float32"), ("u", (2, 2), "float32")], apart=True)
+    assert a.slots == {"w": ("float32/0", 0, (4, 5)), "b": ("float32/1", 0, (3,)),
+                       "n": ("int32/0", 0, (2,))}
+    assert b.slots == {"v": ("float32/0", 0, (7,)), "u": ("float32/1", 0, (2, 2))}
+    sizes = bundle([a, b])
+    assert sizes == {"float32/0": 20, "float32/1": 4, "int32/0": 2}
+    vals = {"w": jnp.arange(20.0).reshape(4, 5), "b": jnp.asarray([1.0, 2.0, 3.0]),
+            "n": jnp.asarray([7, 8], jnp.int32)}
+    bufs = a.pack(vals, sizes)
+    assert [x.dtype for x in bufs] == [jnp.float32, jnp.float32, jnp.int32]
+    assert [x.shape for x in bufs] == [(20,), (4,), (2,)]
+    assert float(bufs[1][3]) == 0.0
+    back = a.unpack(bufs, tuple(sizes))
+    for k, v in vals.items():
+        assert back[k].dtype == v.dtype and np.array_equal(back[k], v)
+
+
 def test_the_sums_are_priced_as_the_lowering_allocates_and_adds_them():
     """Each gradient has a buffer of its own (the largest of each stage in the first, and
     so on): the pricing counts the bytes the lowering allocates, and every backward pays
