@@ -276,7 +276,7 @@ class _Evaluator:
         fwd, bwd, whole = [0.0] * S, [0.0] * S, [0.0] * S
         send = np.zeros((S, S, 2))       # bytes of the whole batch a -> b, forward/backward
         once = np.zeros((S, S))          # bytes per step a -> b after the microbatches (sums)
-        acc, resid = [0.0] * S, [0.0] * S
+        resid = [0.0] * S
         sums: list[list] = [[] for _ in range(S)]  # per stage: (forward?, dtype, bytes)
         needs: list[set] = [set() for _ in range(S)]
         nops = [[0, 0] for _ in range(S)]   # per stage: forward and backward ops
@@ -291,10 +291,8 @@ class _Evaluator:
                 else:
                     bwd[s] += t
                     nops[s][1] += 1
-                for o in op.outputs:
-                    if o in self.partials:
-                        acc[s] += g.tensors[o].nbytes
-                        sums[s].append((r.forward[i], str(g.tensors[o].dtype), g.tensors[o].nbytes))
+                sums[s] += [(r.forward[i], str(g.tensors[o].dtype), g.tensors[o].nbytes)
+                            for o in op.outputs if o in self.partials]
             elif reg == "post":
                 whole[s] += costs.whole(i, order[s])
             if reg in ("pre", "data") or s < 0:
@@ -324,6 +322,7 @@ class _Evaluator:
                     send[a, s, 0 if r.forward[j] else 1] += g.tensors[x].nbytes
                 else:
                     once[a, s] += g.tensors[x].nbytes
+        acc = [float(sum(x[2] for x in mine)) for mine in sums]
         out = dict(owner=owner, fwd=fwd, bwd=bwd, whole=whole, send=send, once=once, acc=acc,
                    resid=resid, needs=needs, nops=nops, sums=sums_bytes(sums),
                    added=sums_bytes([[x for x in mine if not x[0]] for mine in sums]))
