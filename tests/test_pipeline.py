@@ -983,3 +983,33 @@ def test_cut_points_are_priced_by_what_crosses_them():
                  and st[producer[t]] == 0}  # made before the cut, read after: each once
         back = ev.scan((0, 1), cut)["send"][1, 0, 1]
         assert got[k] == max(sum(graph.tensors[t].nbytes for t in ahead), back) > 0
+
+
+def test_a_gradient_rearranged_for_its_parameter_is_summed_as_the_optimizer_reads_it():
+    """A weight's gradient transposed (or reshaped) to the weight's shape is rearranged
+    per microbatch, on the stage making it, and summed in the shape the optimizer reads:
+    read transposed once after the microbatches, the optimizer ran several times slower
+    on XLA's CPU backend. The sums and their price follow."""
+    from hapsynth.synth.pipeline import _Costs, _Evaluator
+    from hapsynth.synth.stages import LAYOUT_ONLY
+    step, args = get("gpt", "tiny")
+    cluster = two_islands()
+    graph, dp, r, n = _regions(step, args, cluster)
+    producer = {t: op.id for op in graph.ops for t in op.outputs}
+    moved = [op for op in graph.ops if op.primitive in LAYOUT_ONLY
+             and [x for x in op.inputs if x is not None][0] in producer
+             and dp.tensor_layouts[op.inputs[0]].kind == "P"
+             and r.region[producer[op.inputs[0]]] == "micro"]
+    assert sum(op.primitive == "transpose" for op in moved) >= 4
+    for op in moved:
+        assert r.region[op.id] == "micro" and r.rank[op.id] == r.rank[producer[op.inputs[0]]]
+    plan = hs.parallelize(step, cluster=cluster, pipeline=True, time_limit=1).plan(*args)
+    low = hs.parallelize(step, cluster=cluster, plan=plan).lowered(*args)
+    summed = {t for ts in low.acc.values() for t in ts}
+    later = {x for op in graph.ops if r.region[op.id] == "post" for x in op.inputs}
+    for op in moved:  # (the last of a chain, a reshape then a transpose, is summed)
+        assert op.inputs[0] not in summed
+        assert (op.outputs[0] in summed) == (op.outputs[0] in later)
+    parts, _ = stage_parts(cluster)
+    ev = _Evaluator(graph, cluster, r, n, _Costs(graph, cluster, r, parts), dp.tensor_layouts)
+    assert ev.partials == summed

@@ -260,8 +260,12 @@ class _Evaluator:
         # the partial sums each microbatch adds to: summed in the island after the last one
         self._scans: dict = {}
         self.op_overhead = max(OP_OVERHEAD.get(c.type, OP_OVERHEAD_GPU) for c in cluster.classes)
+        # (those read once a step, by the ops after the microbatches or as outputs, as the
+        # lowering accumulates them; not a gradient a microbatch's own ops rearrange first)
+        later = {x for op in graph.ops if regions.region[op.id] == "post"
+                 for x in op.inputs if x is not None} | set(graph.outputs)
         self.partials = {t for op in graph.ops if regions.region[op.id] == "micro"
-                         for t in op.outputs if layouts[t].kind == "P"}
+                         for t in op.outputs if layouts[t].kind == "P" and t in later}
 
     def scan(self, order, cuts) -> dict:
         """What a cut costs whatever the microbatches: per stage the whole batch's forward

@@ -78,6 +78,7 @@ def analyse(graph: Graph, layouts, op_inputs, num_state_leaves: int) -> Regions:
     batch = _batch_rows(graph, layouts, data)
     on_data, on_state = [False] * n, [False] * n
     region = [""] * n
+    moved: list[int] = []  # layout ops on a partial sum, run where it is made (`_moves_sum`)
     leaves = set(state)
     for op in ops:
         outs = [layouts[t] for t in op.outputs]
@@ -88,6 +89,9 @@ def analyse(graph: Graph, layouts, op_inputs, num_state_leaves: int) -> Regions:
         if any(l.kind == "S" for l in outs) or (any(l.kind == "P" for l in outs) and any(
                 layouts[x].kind == "S" and need is not None and need.kind == "S" for x, need in ins)):
             region[op.id] = "micro"
+        elif _moves_sum(graph, op, ins, outs, layouts, producer, region):
+            region[op.id] = "micro"
+            moved.append(op.id)
         elif not on_data[op.id]:
             region[op.id] = "pre"
         else:
@@ -211,7 +215,8 @@ def analyse(graph: Graph, layouts, op_inputs, num_state_leaves: int) -> Regions:
                 if region[j] == "micro" or _size(graph, ops[j].outputs[0]) >= _size(graph, t):
                     d = max(d, down[j])
         down[op.id] = d
-    backward = [region[i] == "micro" and not forward[i] and not input_only[i] for i in range(n)]
+    backward = [region[i] == "micro" and not forward[i] and not input_only[i]
+                and i not in moved for i in range(n)]
     for op in ops:  # backward ops
         if backward[op.id]:
             r = max((first.get(p, -1) for p in params_of[op.id]), default=-1)
@@ -226,6 +231,8 @@ def analyse(graph: Graph, layouts, op_inputs, num_state_leaves: int) -> Regions:
                     rank[producer[x]] = max(rank[producer[x]], rank[op.id])
     rank = _fewest_crossing(graph, rank, forward, backward, params_of, first, down,
                             sorted({r for r in first.values() if r > 0}), layouts)
+    for i in moved:
+        rank[i] = rank[producer[next(x for x in ops[i].inputs if x is not None)]]
     for op in ops:  # post ops
         if region[op.id] != "post":
             continue
@@ -315,6 +322,22 @@ def _fewest_crossing(graph: Graph, rank, forward, backward, params_of, first, do
         if bisect_right(points, new) != bisect_right(points, rank[i]):
             out[i] = new
     return out
+
+
+#: Ops that only rearrange a tensor's elements: a sum over the batch commutes with them.
+LAYOUT_ONLY = frozenset({"transpose", "reshape", "squeeze", "expand_dims", "copy", "copy_p"})
+
+
+def _moves_sum(graph: Graph, op, ins, outs, layouts, producer, region) -> bool:
+    """Whether `op` only rearranges a per-microbatch partial sum (a weight's gradient
+    transposed to the weight's shape): it runs per microbatch, where XLA folds it into the
+    contraction making it, and the sum is kept in the layout the optimizer reads (read
+    transposed after the microbatches, it runs several times slower on XLA's CPU backend)."""
+    if op.primitive not in LAYOUT_ONLY or len(ins) != 1 or len(outs) != 1:
+        return False
+    x = ins[0][0]
+    return (outs[0].kind == "P" and layouts[x].kind == "P" and x in producer
+            and region[producer[x]] == "micro" and _size(graph, x) == _size(graph, op.outputs[0]))
 
 
 def _size(graph: Graph, t: int) -> int:
