@@ -1013,3 +1013,53 @@ def test_a_gradient_rearranged_for_its_parameter_is_summed_as_the_optimizer_read
     parts, _ = stage_parts(cluster)
     ev = _Evaluator(graph, cluster, r, n, _Costs(graph, cluster, r, parts), dp.tensor_layouts)
     assert ev.partials == summed
+
+
+def test_large_state_leaves_have_buffers_of_their_own_priced_as_allocated(monkeypatch):
+    """`Packing(apart=n)`: arrays of at least n bytes each in a buffer of their own
+    (ranked largest first), the rest end to end; a pipelined program stores each stage's
+    large state leaves so (read and written whole, not sliced out of one shared buffer
+    and written into a copy of it), the pricing counts the bytes it allocates, and the
+    state round-trips exactly."""
+    import hapsynth.lower.pipeline as lowering
+    import hapsynth.synth.pipeline as pricing
+    from hapsynth.lower.packing import Packing, bundle
+    from hapsynth.synth.pipeline import _Costs, _Evaluator
+    from hapsynth.synth.slots import packed_bytes
+    a = Packing([("b", (3,), "float32"), ("w", (4, 5), "float32"), ("v", (6,), "float32"),
+                 ("c", (2,), "float32")], apart=24)
+    assert a.slots == {"b": ("float32", 0, (3,)), "c": ("float32", 3, (2,)),
+                       "w": ("float32/0", 0, (4, 5)), "v": ("float32/1", 0, (6,))}
+    b = Packing([("u", (30,), "float32"), ("d", (5,), "float32")], apart=24)
+    assert bundle([a, b]) == {"float32": 5, "float32/0": 30, "float32/1": 6}
+    assert packed_bytes([[("s", "float32", 12), ("s", "float32", 80), ("s", "float32", 24),
+                          ("s", "float32", 8)],
+                         [("s", "float32", 120), ("s", "float32", 20)]], 24) == 4 * (5 + 30 + 6)
+    least = 16 * 1024  # gpt "tiny": its 64x64 and 64x128 weights apart, the rest together
+    monkeypatch.setattr(lowering, "APART_BYTES", least)
+    monkeypatch.setattr(pricing, "APART_BYTES", least)
+    step, args = get("gpt", "tiny")
+    cluster = two_islands()
+    plan = hs.parallelize(step, cluster=cluster, pipeline=True, time_limit=1).plan(*args)
+    low = hs.parallelize(step, cluster=cluster, plan=plan).lowered(*args)
+    assert "float32" in low.state_sizes and len(low.state_sizes) > 4
+    for p in low.state_packing:
+        for key, (k, off, shape) in p.slots.items():
+            big = np.prod(shape) * np.dtype(dtype_of(k)).itemsize >= least
+            assert ("/" in k) == big and (off == 0 or not big)
+    graph, dp, r, n = _regions(step, args, cluster)
+    parts, _ = stage_parts(cluster)
+    ev = _Evaluator(graph, cluster, r, n, _Costs(graph, cluster, r, parts), dp.tensor_layouts)
+    order = tuple(next(k for k, d in enumerate(parts) if list(d) == st["devices"])
+                  for st in plan.stages)
+    sc = ev.scan(order, tuple(plan.pipeline["cuts"]))
+    assert sc["state"] == sum(m * np.dtype(dtype_of(k)).itemsize
+                              for k, m in low.state_sizes.items())
+    staged = jax.tree.leaves(low.shard(*args)[:2], is_leaf=lambda v: isinstance(v, hs.Staged))
+    for x, y in zip(jax.tree.leaves(args[:2]), staged):
+        assert np.array_equal(np.asarray(x), np.asarray(hs.gather(y)))
+    # three steps with large leaves apart equal one device's
+    step, args = get("mlp", "tiny")
+    _, got = _three_steps(step, args, cluster)
+    keys = {x.key for x in jax.tree.leaves(got[:2], is_leaf=lambda v: isinstance(v, hs.Staged))}
+    assert "float32" in keys and "float32/0" in keys and "float32/1" in keys

@@ -20,21 +20,29 @@ def dtype_of(k: str) -> str:
 class Packing:
     """Named arrays laid end to end in one flat buffer per dtype; or, `apart`, each in a
     buffer of its own, the largest of each dtype in its first ("float32/0"), the next in
-    its second, and so on: what is added to every microbatch (gradient sums), since
-    XLA's CPU backend concatenates far below memory speed (150 MB in about a second),
-    while adding a whole buffer runs at it; stages with layers of one shape leave a
-    buffer no larger than its largest value."""
+    its second, and so on (stages with layers of one shape leave a buffer no larger than
+    its largest value). `apart=True` puts every array apart: what is added to every
+    microbatch (gradient sums), since XLA's CPU backend concatenates far below memory
+    speed (150 MB in about a second), while adding a whole buffer runs at it.
+    `apart=n` puts apart the arrays of at least n bytes (a stage's state: a leaf filling
+    its buffer is read and written whole, not sliced out of one shared buffer and written
+    back into a copy of it); `synth.slots.packed_bytes` prices the same layout."""
 
-    def __init__(self, items, apart: bool = False):
+    def __init__(self, items, apart: bool | int = False):
         self.slots, self.sizes = {}, {}
+        least = 0 if apart is True else None if apart is False else int(apart)
+
+        def nbytes(x):
+            return int(np.prod(x[1], dtype=np.int64)) * np.dtype(x[2]).itemsize
+
         items = list(items)
-        if apart:
-            items = sorted(items, key=lambda x: (np.dtype(x[2]).name,
-                                                 -int(np.prod(x[1], dtype=np.int64))))
+        apart_ = [least is not None and nbytes(x) >= least for x in items]
+        big = sorted((x for x, a in zip(items, apart_) if a),
+                     key=lambda x: (np.dtype(x[2]).name, -nbytes(x)))
         count: dict = {}
-        for key, shape, dtype in items:
+        for key, shape, dtype in [x for x, a in zip(items, apart_) if not a] + big:
             k = np.dtype(dtype).name
-            if apart:
+            if least is not None and nbytes((key, shape, dtype)) >= least:
                 count[k] = count.get(k, -1) + 1
                 k = f"{k}/{count[k]}"
             n = int(np.prod(shape, dtype=np.int64))

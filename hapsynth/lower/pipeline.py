@@ -48,7 +48,7 @@ from hapsynth.ir.signature import of_program
 from hapsynth.ir.trace import Const, Program
 from hapsynth.lower import cpu
 from hapsynth.lower.packing import Packing, Ref, bundle, dtype_of, pad_to, trim
-from hapsynth.synth.slots import B, F, tick_tables
+from hapsynth.synth.slots import APART_BYTES, B, F, tick_tables
 from hapsynth.lower.values import Sharded, Staged, StagedRows, unshard
 from hapsynth.synth.plan import Plan
 from hapsynth.synth.stages import analyse, stage_of
@@ -108,7 +108,8 @@ class Pipelined:
         self._static()
         self.state_packing = [Packing([(p, prog.avals[prog.inputs[p]].shape,
                                         prog.avals[prog.inputs[p]].dtype)
-                                       for p in range(self.nstate) if self.owner[p] == s])
+                                       for p in range(self.nstate) if self.owner[p] == s],
+                                      apart=APART_BYTES)
                               for s in range(self.S)]
         self.state_sizes = bundle(self.state_packing)
         self.state_order = tuple(self.state_sizes)
@@ -453,7 +454,8 @@ class Pipelined:
         acc, pool, _, _ = lax.fori_loop(0, tb.ticks, tick, (acc, pool, mail, made))
 
         # 3. once per step: sums over the stage's devices, then the stages' remaining ops
-        acc = {ph: tuple(lax.psum(a, DATA) for a in bufs) for ph, bufs in acc.items()}
+        if self.D > 1:  # (over one device XLA still runs it, copying every sum)
+            acc = {ph: tuple(lax.psum(a, DATA) for a in bufs) for ph, bufs in acc.items()}
         ctx = {"state": list(state), "copies": [[list(r.bufs) for r in copies.get(s, [])]
                                                 for s in range(S)],
                "data": [data[t] for t in self.data]}
@@ -776,7 +778,7 @@ class Pipelined:
                          and self.state_packing[x.stage].slots.get(p) == (x.key, x.offset, x.shape)
                          for p, x in enumerate(state)):  # this program's last state, in place
             return tuple(state[0].buffers[k] for k in self.state_order)
-        rows = {k: np.zeros((self.S, n), k) for k, n in self.state_sizes.items()}
+        rows = {k: np.zeros((self.S, n), dtype_of(k)) for k, n in self.state_sizes.items()}
         for s, p in enumerate(self.state_packing):
             for key, (k, off, shape) in p.slots.items():
                 x = leaves[key]
@@ -791,7 +793,7 @@ class Pipelined:
         out = []
         for p in range(self.nstate):
             k, off, shape = self.state_packing[self.owner[p]].slots[p]
-            out.append(Staged(bufs, self.owner[p], k, off, shape, k, self))
+            out.append(Staged(bufs, self.owner[p], k, off, shape, dtype_of(k), self))
         return out
 
     def _inputs(self, leaves) -> list:

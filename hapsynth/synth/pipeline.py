@@ -34,7 +34,7 @@ from hapsynth.synth.collectives import all_reduce
 from hapsynth.synth.costmodel import compute_time
 from hapsynth.synth.pipeschedule import PipeSchedule, Slot, schedule
 from hapsynth.synth.plan import Plan
-from hapsynth.synth.slots import sums_bytes, tick_tables
+from hapsynth.synth.slots import APART_BYTES, packed_bytes, tick_tables
 from hapsynth.synth.stages import Regions, stage_of
 
 __all__ = ["Pipeline", "plan_pipeline", "rows_of", "islands_of"]
@@ -327,9 +327,14 @@ class _Evaluator:
                 else:
                     once[a, s] += g.tensors[x].nbytes
         acc = [float(sum(x[2] for x in mine)) for mine in sums]
+        held: list[list] = [[] for _ in range(S)]  # per stage: its state leaves
+        for p, o in enumerate(owner):
+            t = g.tensors[g.inputs[p]]
+            held[o].append(("state", str(t.dtype), t.nbytes))
         out = dict(owner=owner, fwd=fwd, bwd=bwd, whole=whole, send=send, once=once, acc=acc,
-                   resid=resid, needs=needs, nops=nops, sums=sums_bytes(sums),
-                   added=sums_bytes([[x for x in mine if not x[0]] for mine in sums]))
+                   resid=resid, needs=needs, nops=nops, sums=packed_bytes(sums),
+                   state=packed_bytes(held, APART_BYTES),
+                   added=packed_bytes([[x for x in mine if not x[0]] for mine in sums]))
         self._scans[key] = out
         return out
 
@@ -389,14 +394,12 @@ class _Evaluator:
         # memory: one SPMD program gives every device the same buffers, each sized for
         # the stage needing most (state, copies, sums, keep pool, mailboxes)
         cap = min(cluster.classes[cluster.class_of(d)].memory for devs in islands for d in devs)
-        own, copied_bytes = [0.0] * S, [0.0] * S
-        for p, o in enumerate(owner):
-            own[o] += g.tensors[g.inputs[p]].nbytes
+        copied_bytes = [0.0] * S
         for s in range(S):
             copied_bytes[s] = sum(g.tensors[g.inputs[p]].nbytes for p in needs[s] if owner[p] != s)
         share = [max(x / (r.batch // M) for x in rs) for rs in rows]
         per_micro = [resid[s] * share[s] for s in range(S)]  # one microbatch's residuals, per device
-        fixed = max(own) + max(copied_bytes) + sc["sums"]
+        fixed = sc["state"] + max(copied_bytes) + sc["sums"]
         keep = max(per_micro)
         # (a stage keeping nothing takes no slot of the pool, however deep its warm-up)
         memory_cap = [max(1, int((cap - fixed) // keep)) - 1 if keep and per_micro[s] > 0

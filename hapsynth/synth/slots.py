@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["IDLE", "F", "B", "TickTables", "tick_tables", "keep_pool", "sums_bytes"]
+__all__ = ["IDLE", "F", "B", "TickTables", "tick_tables", "keep_pool", "packed_bytes",
+           "APART_BYTES"]
 
 IDLE, F, B = 0, 1, 2
 PHASE = {"F": F, "B": B}
@@ -126,17 +127,28 @@ def tick_tables(table, stages: int, keeps, channels, delay: int = 0) -> TickTabl
     return TickTables(phase, micro, keep_in, keep_out, K, mail_in, mail_out, mail_slots)
 
 
-def sums_bytes(per_stage) -> int:
-    """Bytes of the buffers a stage's sums are added to, as the lowering allocates them
-    (`lower.packing.Packing(apart=True)`): per stage, its values as (group, dtype,
-    bytes), where a group is a phase; each group's largest value of each dtype shares
-    the first buffer of that dtype with every other stage's largest, and so on down."""
+#: A state leaf of at least this many bytes has a buffer of its own in a pipelined
+#: program (`lower.packing.Packing`): read and written whole, never copied out of or
+#: into a buffer shared with the rest of its stage's state.
+APART_BYTES = 1 << 20
+
+
+def packed_bytes(per_stage, least: int = 0) -> int:
+    """Bytes of the buffers per-stage values are packed in, as the lowering allocates
+    them (`lower.packing.Packing(apart=least)`): per stage, its values as (group, dtype,
+    bytes). A value of at least `least` bytes has a buffer of its own: each group's
+    largest of each dtype shares the first buffer of that dtype with every other stage's
+    largest, and so on down; the smaller ones lie end to end in one buffer per group and
+    dtype. Every buffer is sized for the stage needing most."""
     ranked: dict = {}
     for values in per_stage:
         mine: dict = {}
         for group, dtype, n in values:
-            mine.setdefault((group, dtype), []).append(n)
-        for key, sizes in mine.items():
-            for j, n in enumerate(sorted(sizes, reverse=True)):
-                ranked[key + (j,)] = max(ranked.get(key + (j,), 0), n)
+            mine.setdefault((group, dtype, n >= least), []).append(n)
+        for (group, dtype, apart), sizes in mine.items():
+            if apart:
+                for j, n in enumerate(sorted(sizes, reverse=True)):
+                    ranked[(group, dtype, j)] = max(ranked.get((group, dtype, j), 0), n)
+            else:
+                ranked[(group, dtype)] = max(ranked.get((group, dtype), 0), sum(sizes))
     return int(sum(ranked.values()))
