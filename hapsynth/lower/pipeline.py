@@ -28,6 +28,8 @@ their own (passed through the other kinds of work, XLA copied them whole every t
 one buffer per value (`Packing(apart=True)`: each stage's largest gradient of a dtype
 in the first, and so on), so a backward adds each gradient where it lies (packed by a
 concatenation, the MLP's 58.6M floats took XLA's CPU backend seconds per backward).
+A stage's large state leaves have buffers of their own too
+(`Packing(apart=synth.slots.APART_BYTES)`), read and written whole.
 Ops of no stage (reading only data and constants, or only state) are computed where
 they are read.
 """
