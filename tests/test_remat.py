@@ -175,14 +175,18 @@ def test_remat_option_is_checked():
 
 @pytest.mark.slow
 def test_a_recomputed_step_is_pipelined_and_equals_one_device():
-    """pipeline=True on two islands whose memory holds the state and none of the
-    activations (SPMD-only needs the step recomputed): the pipeline runs the recomputed
-    step, and 3 steps of it equal one device. (A pipeline rarely needs recomputing
-    itself: it holds a microbatch's activations, and every device holds the largest
-    stage's state, sums and buffers, which recomputing does not shrink.)"""
+    """pipeline=True on two islands whose memory holds twice the step's inputs and few
+    of its activations (SPMD-only needs the step recomputed): the pipeline runs the
+    recomputed step, and 3 steps of it equal one device. (A pipeline rarely needs
+    recomputing itself: it holds a microbatch's activations, and every device holds the
+    largest stage's state, sums and buffers and the whole batch, which recomputing does
+    not shrink.)"""
     from test_pipeline import _three_steps
 
-    params, x, y = _mlp_data(0)
+    _, x, y = _mlp_data(0)
+    rng = np.random.default_rng(0)  # wide enough that activations outweigh the batch
+    params = [jnp.asarray(rng.normal(size=(64, 512)) / 8, jnp.float32),
+              jnp.asarray(rng.normal(size=(512, 64)) / 20, jnp.float32)]
     prog = trace(_mlp_step, params, x, y)
     def islands(memory):
         return hs.Cluster.simulated([("A100", 4, {"memory": memory}), ("V100", 4, {"memory": memory})],
@@ -192,9 +196,9 @@ def test_a_recomputed_step_is_pipelined_and_equals_one_device():
     state = int(sum(prog.avals[t].nbytes for t in prog.inputs))
     with pytest.raises(hs.InfeasibleMemory, match=r"pipeline=True: .* every device holds .* "
                                                   r"class '(A100|V100)' has"):
-        hs.parallelize(_mlp_step, cluster=islands(state // 4), pipeline=True,
+        hs.parallelize(_mlp_step, cluster=islands(state), pipeline=True,
                        time_limit=1).plan(params, x, y)
-    cluster = islands(state)
+    cluster = islands(2 * state)
     with pytest.raises(hs.InfeasibleMemory, match="no plan found fits"):
         hs.parallelize(_mlp_step, cluster=cluster, pipeline=False, time_limit=1,
                        remat=False).plan(params, x, y)
@@ -255,3 +259,55 @@ def test_the_sooner_plan_is_kept_and_a_pipeline_reports_the_best_spmd_only_time(
     assert sooner(close, spmd, True, 0.05).stages
     assert sooner(spmd, replace(spmd, predicted_step_time=1.7), False, 0.05).predicted_step_time == 1.7
     assert sooner(spmd, None, "auto", 0.05) is spmd
+
+
+def _tied_lm_step(params, ids, targets):
+    """A language model whose output layer reuses its embedding (vocab far wider than
+    the model), residual GELU blocks, a final norm, SGD: plain JAX."""
+    def loss(p):
+        h = p["tok"][ids]
+        for w1, w2 in p["blocks"]:
+            h = h + jax.nn.gelu(h @ w1) @ w2
+        h = (h - h.mean(-1, keepdims=True)) * jax.lax.rsqrt(h.var(-1, keepdims=True) + 1e-5)
+        logp = jax.nn.log_softmax(h @ p["tok"].T)
+        return -jnp.take_along_axis(logp, targets[..., None], -1).mean()
+    val, g = jax.value_and_grad(loss)(params)
+    return jax.tree.map(lambda w, d: w - 0.1 * d, params, g), val
+
+
+def test_a_recomputed_step_keeps_no_dead_ops_and_its_stages_where_its_layers_are():
+    """Recomputing leaves nothing dead (a forward activation made only for the backward,
+    now recomputed there, is dropped: priced, it would cost what XLA never runs), and the
+    stage analysis of the recomputed step cuts as little as the step's own: a value
+    recomputed from forward ones ranks with them, so the tied embedding's gradient from
+    the output layer is made there, not where the embedding is stored (the logits'
+    cotangent, vocab wide, crossed every cut)."""
+    from hapsynth.ir import lift_program
+    from hapsynth.synth.pipeline import _crossing
+    from hapsynth.synth.stages import analyse
+    from hapsynth.synth.synthesize import data_parallel_plan
+    from test_pipeline import two_islands
+
+    k = jax.random.split(jax.random.key(0), 6)
+    width, vocab, batch, seq = 16, 512, 8, 8
+    params = {"tok": 0.1 * jax.random.normal(k[0], (vocab, width)),
+              "blocks": [(0.1 * jax.random.normal(k[1 + 2 * b], (width, 4 * width)),
+                          0.1 * jax.random.normal(k[2 + 2 * b], (4 * width, width)))
+                         for b in range(2)]}
+    ids = jax.random.randint(k[5], (batch, seq), 0, vocab)
+    args = (params, ids, jnp.roll(ids, 1, axis=1))
+    n = len(jax.tree.leaves(params))
+    prog = trace(_tied_lm_step, *args)
+    again = rematerialize(prog)
+    assert again is not None
+    read = {x for e in again.eqns for x in e.inputs if isinstance(x, int)} | set(again.outputs)
+    assert all(any(o in read for o in e.outputs) for e in again.eqns)
+    cluster = two_islands()
+    most = []
+    for p in (prog, again):
+        graph = lift_program(p)
+        dp = data_parallel_plan(graph, cluster, num_state_leaves=n, data_inputs=graph.inputs[n:])
+        r = analyse(graph, dp.tensor_layouts, dp.op_inputs, n)
+        most.append(float(_crossing(graph, r, r.cut_points()).max()))
+    logits = batch * seq * vocab * 4
+    assert most[0] < logits / 4 and most[1] <= 2 * most[0], (most, logits)

@@ -224,8 +224,24 @@ def _rewrite(prog: Program, plans: dict[int, list[int]], readers, p: int) -> Pro
                 e = replace(e, inputs=tuple(sub.get(x, x) if isinstance(x, int) else x
                                             for x in e.inputs))
         out.append(e)
+    out = _drop_dead(out, prog.outputs, {id(e) for new in inserted.values() for e in new})
     params = {lp.id: (lp.length, lp.reverse) for lp in prog.loops}
     return replace(prog, eqns=tuple(out), avals=tuple(avals), loops=loops_of(out, params))
+
+
+def _drop_dead(eqns: list[Eqn], outputs, inserted: set) -> list[Eqn]:
+    """`eqns` less those whose results nothing reads, among the inserted ones and the
+    recomputable originals: an activation made in the forward pass only for the backward,
+    now recomputed there, or a copy whose readers a later copy took over (dead, XLA
+    drops them; the stage analysis and the prices would not)."""
+    live = {o for o in outputs if isinstance(o, int)}
+    kept = []
+    for e in reversed(eqns):
+        if not (id(e) in inserted or recomputable(e)) or any(o in live for o in e.outputs):
+            kept.append(e)
+            live.update(x for x in e.inputs if isinstance(x, int))
+    kept.reverse()
+    return kept
 
 
 def describe(before: Program, after: Program, target: float | None) -> dict:

@@ -264,6 +264,9 @@ class _Evaluator:
         # lowering accumulates them; not a gradient a microbatch's own ops rearrange first)
         later = {x for op in graph.ops if regions.region[op.id] == "post"
                  for x in op.inputs if x is not None} | set(graph.outputs)
+        # the step's data, whole on every device (each reads its microbatches' rows)
+        self.data_bytes = float(sum(graph.tensors[t].nbytes
+                                    for t in graph.inputs[num_state_leaves:]))
         self.partials = {t for op in graph.ops if regions.region[op.id] == "micro"
                          for t in op.outputs if layouts[t].kind == "P" and t in later}
 
@@ -392,14 +395,14 @@ class _Evaluator:
             key = ("F", b - 1) if a < b else ("B", b)
             ready[key] = ready.get(key, 0.0) + t
         # memory: one SPMD program gives every device the same buffers, each sized for
-        # the stage needing most (state, copies, sums, keep pool, mailboxes)
+        # the stage needing most (state, copies, sums, keep pool, mailboxes), and the data
         cap = min(cluster.classes[cluster.class_of(d)].memory for devs in islands for d in devs)
         copied_bytes = [0.0] * S
         for s in range(S):
             copied_bytes[s] = sum(g.tensors[g.inputs[p]].nbytes for p in needs[s] if owner[p] != s)
         share = [max(x / (r.batch // M) for x in rs) for rs in rows]
         per_micro = [resid[s] * share[s] for s in range(S)]  # one microbatch's residuals, per device
-        fixed = sc["state"] + max(copied_bytes) + sc["sums"]
+        fixed = sc["state"] + max(copied_bytes) + sc["sums"] + self.data_bytes
         keep = max(per_micro)
         # (a stage keeping nothing takes no slot of the pool, however deep its warm-up)
         memory_cap = [max(1, int((cap - fixed) // keep)) - 1 if keep and per_micro[s] > 0

@@ -163,6 +163,16 @@ def analyse(graph: Graph, layouts, op_inputs, num_state_leaves: int) -> Regions:
         raise NotPipelineable("the step returns no loss made before its gradients: "
                               "there is no forward pass to cut")
 
+    # micro ops the loss does not read, made from forward values alone: activations
+    # recomputed for the backward (`ir/remat.py`), a derivative's factor; their readers
+    # rank with what they are made from, as with a forward value
+    made_fwd = [False] * n
+    for op in ops:
+        if region[op.id] == "micro" and not forward[op.id]:
+            src = [producer[x] for x in op.inputs if x is not None and x in producer
+                   and region[producer[x]] == "micro"]
+            made_fwd[op.id] = bool(src) and all(forward[j] or made_fwd[j] for j in src)
+
     # parameters: rank at first forward use (through pre ops)
     first: dict[int, int] = {}
     params_of: list[set] = [set() for _ in range(n)]  # pre ops: the state leaves they read
@@ -217,19 +227,20 @@ def analyse(graph: Graph, layouts, op_inputs, num_state_leaves: int) -> Regions:
         down[op.id] = d
     backward = [region[i] == "micro" and not forward[i] and not input_only[i]
                 and i not in moved for i in range(n)]
+    fed = [-1] * n  # backward ops: the latest rank of the forward values they read
     for op in ops:  # backward ops
         if backward[op.id]:
             r = max((first.get(p, -1) for p in params_of[op.id]), default=-1)
             for x in op.inputs:
-                if x in producer and forward[producer[x]]:
-                    r = max(r, rank[producer[x]])
-            rank[op.id] = max(r, down[op.id])
+                if x in producer and (forward[producer[x]] or made_fwd[producer[x]]):
+                    fed[op.id] = max(fed[op.id], rank[producer[x]])
+            rank[op.id] = max(r, fed[op.id], down[op.id])
     for op in reversed(ops):  # cotangents flow to earlier stages only: a producer's rank is
         if backward[op.id]:   # at least its backward readers'
             for x in op.inputs:
                 if x in producer and backward[producer[x]]:
                     rank[producer[x]] = max(rank[producer[x]], rank[op.id])
-    rank = _fewest_crossing(graph, rank, forward, backward, params_of, first, down,
+    rank = _fewest_crossing(graph, rank, forward, backward, params_of, first, down, fed,
                             sorted({r for r in first.values() if r > 0}), layouts)
     for i in moved:
         rank[i] = rank[producer[next(x for x in ops[i].inputs if x is not None)]]
@@ -259,15 +270,17 @@ def analyse(graph: Graph, layouts, op_inputs, num_state_leaves: int) -> Regions:
 _FIXED = 1 << 50  # "infinite" capacity: above any step's bytes
 
 
-def _fewest_crossing(graph: Graph, rank, forward, backward, params_of, first, down, points,
-                     layouts) -> list[int]:
+def _fewest_crossing(graph: Graph, rank, forward, backward, params_of, first, down, fed,
+                     points, layouts) -> list[int]:
     """Ranks moved, op by op, to the side of each cut point where the fewest bytes cross
     it: a minimum cut per point over the per-example ops (forward values flow to later
     stages, cotangents to earlier ones). The first ranks place a parameter-free op by
     one rule (where it is read), which sends two tensors across a block boundary where
     one would do (a residual and its layer norm's output, rather than the residual
     alone); the cut keeps ops reading parameters where they are, gradient sums with the
-    parameter they sum for, and moves only what costs nothing to move."""
+    parameter they sum for (unless made from forward values past the cut: a tied
+    embedding's gradient from the output layer, where the logits' cotangent is), and
+    moves only what costs nothing to move."""
     ops = graph.ops
     movable = [i for i in range(len(ops)) if (forward[i] or backward[i]) and rank[i] >= 0]
     if not points or not movable:
@@ -304,7 +317,8 @@ def _fewest_crossing(graph: Graph, rank, forward, backward, params_of, first, do
             and any(layouts[t].kind == "P" for t in ops[i].outputs)}
     late_at = [-1] * len(movable)
     for c in points:
-        early = [u for u, r in fwd_fixed if r < c] + [u for u in sums if lo[u] < c]
+        early = [u for u, r in fwd_fixed if r < c] + [u for u in sums if lo[u] < c
+                                                          and fed[movable[u]] < c]
         late = [u for u, r in fwd_fixed if r >= c] + [u for u in range(len(movable)) if lo[u] >= c]
         flow = max_flow.SimpleMaxFlow()
         flow.add_arcs_with_capacity(
