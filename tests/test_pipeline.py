@@ -1011,8 +1011,19 @@ def test_a_gradient_rearranged_for_its_parameter_is_summed_as_the_optimizer_read
         assert op.inputs[0] not in summed
         assert (op.outputs[0] in summed) == (op.outputs[0] in later)
     parts, _ = stage_parts(cluster)
-    ev = _Evaluator(graph, cluster, r, n, _Costs(graph, cluster, r, parts), dp.tensor_layouts)
+    costs = _Costs(graph, cluster, r, parts)
+    ev = _Evaluator(graph, cluster, r, n, costs, dp.tensor_layouts)
     assert ev.partials == summed
+    # XLA folds them into the contractions: priced neither time nor an op of their own
+    assert r.folded == {op.id for op in moved}
+    cut = (r.cut_points()[len(r.cut_points()) // 2],)
+    sc = ev.scan((0, 1), cut)
+    for s in (0, 1):
+        mine = [i for i in range(len(graph.ops)) if r.region[i] == "micro" and r.rank[i] >= 0
+                and not r.forward[i] and stage_of(r.rank[i], cut) == s]
+        assert sc["nops"][s][1] == len(set(mine) - r.folded) < len(mine)
+        assert sc["bwd"][s] == pytest.approx(sum(costs.micro(i, s) for i in mine
+                                                 if i not in r.folded))
 
 
 def test_large_state_leaves_have_buffers_of_their_own_priced_as_allocated(monkeypatch):

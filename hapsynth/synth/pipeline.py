@@ -291,13 +291,15 @@ class _Evaluator:
         for op in g.ops:
             i, reg, s = op.id, r.region[op.id], st[op.id]
             if reg == "micro" and s >= 0:
-                t = costs.micro(i, order[s])
+                # (a transpose of a gradient XLA folds into the contraction making it:
+                # neither time nor an op of its own)
+                t, one = (0.0, 0) if i in r.folded else (costs.micro(i, order[s]), 1)
                 if r.forward[i]:
                     fwd[s] += t
-                    nops[s][0] += 1
+                    nops[s][0] += one
                 else:
                     bwd[s] += t
-                    nops[s][1] += 1
+                    nops[s][1] += one
                 sums[s] += [(r.forward[i], str(g.tensors[o].dtype), g.tensors[o].nbytes)
                             for o in op.outputs if o in self.partials]
             elif reg == "post":

@@ -47,6 +47,7 @@ class Regions:
     owner_rank: tuple[int, ...]
     batch: int
     reads: tuple[frozenset, ...] = ()  # per op: the state leaves it reads, itself or by pre ops
+    folded: frozenset = frozenset()  # micro ops only rearranging a partial sum (`_moves_sum`)
 
     def cut_points(self) -> list[int]:
         """Ranks where a stage may start: the first forward use of each parameter."""
@@ -264,7 +265,7 @@ def analyse(graph: Graph, layouts, op_inputs, num_state_leaves: int) -> Regions:
             for i, r in enumerate(rank)]
     owner = [max(0, r) for r in owner]
     return Regions(tuple(region), tuple(forward), tuple(rank), tuple(owner), batch,
-                   tuple(frozenset(p) for p in params_of))
+                   tuple(frozenset(p) for p in params_of), frozenset(moved))
 
 
 _FIXED = 1 << 50  # "infinite" capacity: above any step's bytes
