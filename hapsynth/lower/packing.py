@@ -36,13 +36,14 @@ class Packing:
             return int(np.prod(x[1], dtype=np.int64)) * np.dtype(x[2]).itemsize
 
         items = list(items)
-        apart_ = [least is not None and nbytes(x) >= least for x in items]
-        big = sorted((x for x, a in zip(items, apart_) if a),
+        big = sorted((x for x in items if least is not None and nbytes(x) >= least),
                      key=lambda x: (np.dtype(x[2]).name, -nbytes(x)))
+        ids = {id(x) for x in big}
         count: dict = {}
-        for key, shape, dtype in [x for x, a in zip(items, apart_) if not a] + big:
+        for (key, shape, dtype), alone in [(x, False) for x in items if id(x) not in ids] + [
+                (x, True) for x in big]:
             k = np.dtype(dtype).name
-            if least is not None and nbytes((key, shape, dtype)) >= least:
+            if alone:
                 count[k] = count.get(k, -1) + 1
                 k = f"{k}/{count[k]}"
             n = int(np.prod(shape, dtype=np.int64))
