@@ -19,6 +19,7 @@ from hapsynth.lower.packing import dtype_of
 from hapsynth.models import get
 from hapsynth.synth.pipeline import SCHEDULES, late_ticks, stage_parts, ticks
 from hapsynth.synth.pipeschedule import schedule
+from hapsynth.synth.slots import wire_rounds
 from hapsynth.synth.stages import NotPipelineable, analyse, stage_of
 from hapsynth.synth.synthesize import data_parallel_plan
 
@@ -141,6 +142,17 @@ def test_keep_buffers_are_reused_once_their_backwards_ran():
 
 
 ONE = {(ph, s): 1 for ph in "FB" for s in range(2)}
+
+
+def test_opposite_shifts_share_a_round_only_where_no_stage_sends_or_receives_twice():
+    two = {1: [(0, 1)], -1: [(1, 0)]}
+    assert wire_rounds(two) == [(1, -1)]
+    assert wire_rounds(two, alone={-1}) == [(1,), (-1,)]  # gathered first: apart
+    # three stages: the middle one sends both ways, so its forward and backward cross apart
+    three = {1: [(0, 1), (1, 2)], -1: [(1, 0), (2, 1)], 2: [(0, 2)]}
+    assert wire_rounds(three) == [(1,), (-1,), (2,)]
+    # a forward skipping a stage and the backward on the other boundary: one round
+    assert wire_rounds({2: [(0, 2)], -2: [(3, 1)], 1: [(2, 3)]}) == [(1,), (2, -2)]
 
 
 @pytest.mark.parametrize("kind", SCHEDULES)
@@ -410,7 +422,8 @@ def _tick_loop(jaxpr):
 def test_a_message_crosses_beside_the_next_ticks_work():
     """Sent a tick late (`delay` 1): in the tick
     loop's body every `ppermute` sits outside the work's switch and reads nothing the
-    switch makes, so an asynchronous collective can run under the work; sent in its own
+    switch makes, so an asynchronous collective can run under the work, and the two
+    stages' forwards and backwards cross in one, both ways at once; sent in its own
     tick (`delay` 0), the crossings sit in a switch after the work. Both equal `jit`."""
 
     from test_lowering import compare
@@ -443,6 +456,8 @@ def test_a_message_crosses_beside_the_next_ticks_work():
                     yield from upstream(p, seen_ids)
         sends = [e for e in body.eqns if e.primitive.name == "ppermute"]
         assert bool(sends) == bool(delay)
+        # two stages: the forwards' crossing and the backwards' in one permute, both ways
+        assert all(sorted(e.params["perm"]) == [(0, 1), (1, 0)] for e in sends)
         for e in sends:
             assert not any(_holds(p, "cond") for p in upstream(e, set()))
         # nor does the work wait for a crossing of its own tick
@@ -764,8 +779,8 @@ def test_ticks_are_priced_as_the_loop_runs_them():
     another): a tick lasts its longest work plus its longest transfer forward and then
     back (the lowering orders the two shifts). Sent a tick late
     beside the next tick's work (GPUs' asynchronous collectives): every tick lasts its
-    longest work or the carried crossing (every pair, one shift after the other),
-    whichever is longer, and readers sit a tick later; GPU clusters get the cheaper of the
+    longest work or the carried crossing (every pair; the two stages' forwards and
+    backwards in one permute, both ways at once), whichever is longer, and readers sit a tick later; GPU clusters get the cheaper of the
     two. Either way the step adds the parameter copies before the loop and the
     once-per-step work after it (the tied embedding's copy and gradient here)."""
     from hapsynth.synth.pipeline import _Costs, _Evaluator, lockstep
@@ -798,7 +813,7 @@ def test_ticks_are_priced_as_the_loop_runs_them():
     first = min((x for x in p0.schedule.slots if x.stage == 1), key=lambda x: x.start)
     assert first.start == pytest.approx(p0.forward[0] + p0.send[0])  # the copy came before
 
-    wire = p.send[0] + p.send_back[0]
+    wire = max(p.send[0], p.send_back[0])
     late = lockstep(schedule("1f1b", p.forward, p.backward, 4, p.send, p.send_back),
                     p.forward, p.backward, p.send, p.send_back, wire)
     at = {(s, m, ph): t for t, s, m, ph in late.ticks}
@@ -818,6 +833,12 @@ def test_ticks_are_priced_as_the_loop_runs_them():
     ev.overlaps = True
     q = ev.price((0, 1), cut, 8, "hetero-1f1b")
     assert q.delay == 1 and on_cpu.delay == 0 and q.step < on_cpu.step
+    both_ways = lockstep(q.schedule, q.forward, q.backward, q.send, q.send_back,
+                         max(q.send[0], q.send_back[0]))
+    one_way_then_back = lockstep(q.schedule, q.forward, q.backward, q.send, q.send_back,
+                                 q.send[0] + q.send_back[0])
+    assert q.schedule.makespan == pytest.approx(both_ways.makespan)
+    assert q.schedule.makespan < one_way_then_back.makespan
 
 
 def test_free_running_pricing_drops_only_the_lock_step():
@@ -1074,3 +1095,37 @@ def test_large_state_leaves_have_buffers_of_their_own_priced_as_allocated(monkey
     _, got = _three_steps(step, args, cluster)
     keys = {x.key for x in jax.tree.leaves(got[:2], is_leaf=lambda v: isinstance(v, hs.Staged))}
     assert "float32" in keys and "float32/0" in keys and "float32/1" in keys
+
+
+def test_hetero_1f1b_keeps_fewer_in_flight_where_its_deepest_does_not_fit():
+    """hetero-1F1B's depth search bounds its keep pool; its mailboxes and wires grow with
+    its depths too, so where the deepest schedule does not fit, a shallower one that does
+    is priced, never worse than plain 1F1B."""
+    from hapsynth.synth.pipeline import _Costs, _Evaluator
+    step, args = get("gpt", "tiny")
+
+    def evaluator(memory=None):
+        extra = {} if memory is None else {"memory": memory}
+        cluster = hs.Cluster.simulated(
+            [("A100", 4, extra), ("V100", 4, extra)], devices_per_host=4,
+            islands={"a": ["A100"], "b": ["V100"]},
+            links={"inter_island": {"bandwidth": "1Gbps", "latency": "50us"}})
+        graph, dp, r, n = _regions(step, args, cluster)
+        parts, _ = stage_parts(cluster)
+        return _Evaluator(graph, cluster, r, n, _Costs(graph, cluster, r, parts),
+                          dp.tensor_layouts), r
+
+    ev, r = evaluator()
+    found = None
+    for cut in r.cut_points():
+        deep = ev.price((0, 1), (cut,), 8, "hetero-1f1b")
+        plain = ev.price((0, 1), (cut,), 8, "1f1b")
+        if deep.memory[0] > plain.memory[0] and deep.step < plain.step:
+            found = cut, deep, plain
+            break
+    assert found, "no cut where hetero-1F1B keeps more in flight than 1F1B"
+    cut, deep, plain = found
+    tight, _ = evaluator(int((deep.memory[0] + plain.memory[0]) / 2))
+    got = tight.price((0, 1), (cut,), 8, "hetero-1f1b")
+    assert got.fits and got.memory[0] < deep.memory[0]
+    assert got.step <= tight.price((0, 1), (cut,), 8, "1f1b").step + 1e-12

@@ -9,8 +9,10 @@ device runs its stage's work in a `lax.switch` on its group (stage and row count
 stage mixing classes holds uneven rows) and phase (forward, backward, idle); values
 cross stages by `ppermute` outside the switch, one wire per shift between stages,
 either after the work that made them or (the plan's `delay` 1) during the next tick's
-work, which they do not depend on, and wait in the receiver's mailbox (a slot per
-message in flight) until read.
+work, which they do not depend on (there a shift and its opposite cross in one
+`ppermute` where no stage sends on both, `synth.slots.wire_rounds`: two stages' forwards
+and backwards use both directions of their link at once), and wait in the receiver's
+mailbox (a slot per message in flight) until read.
 What a forward keeps for its backward goes into a pool of slots that every step
 receives and returns (donated), a slot reused once the backward reading it has run.
 The pool is updated in place by the forward that keeps (inside the `cond` only that
@@ -50,7 +52,7 @@ from hapsynth.ir.signature import of_program
 from hapsynth.ir.trace import Const, Program
 from hapsynth.lower import cpu
 from hapsynth.lower.packing import Packing, Ref, bundle, dtype_of, pad_to, trim
-from hapsynth.synth.slots import APART_BYTES, B, F, tick_tables
+from hapsynth.synth.slots import APART_BYTES, B, F, tick_tables, wire_rounds
 from hapsynth.lower.values import Sharded, Staged, StagedRows, unshard
 from hapsynth.synth.plan import Plan
 from hapsynth.synth.stages import analyse, stage_of
@@ -373,6 +375,8 @@ class Pipelined:
             for j, (g, _) in enumerate(pairs):
                 within[k, g] = j
         senders = {d: self._senders(d) for d in shifts}
+        rounds = wire_rounds({d: senders[d][2] for d in shifts},
+                             {d for d in shifts if self.chunked[d]})
         na = {ph: len(self.acc_sizes[ph]) for ph in "FB"}
 
         def tick(i, carry):
@@ -420,13 +424,14 @@ class Pipelined:
             outs = tuple(jnp.where(kind[i, sidx] == 3, b, f) for f, b in zip(outs, outs_b))
             if self.delay:  # what the last tick made crosses, independent of this tick's work
                 outs, made = made, tuple(outs)
-            mail, k, crossed = dict(mail), 0, None
+            mail, crossed = dict(mail), None
+            by_shift = {d: outs[e - len(self.wire_sizes[d]):e] for d, e in zip(shifts, np.cumsum(
+                [len(self.wire_sizes[d]) for d in shifts]))}
+            late = self._cross_late(sidx, senders, rounds, by_shift) if self.delay else {}
             for d in shifts:
-                n = len(self.wire_sizes[d])
-                got = tuple(outs[k:k + n])
-                k += n
+                got = by_shift[d]
                 if self.delay:
-                    got = dict(zip(self.wire_sizes[d], self._cross(d, senders[d][2], *got)))
+                    got = late[d]
                 else:
                     if crossed is not None:
                         # one shift's crossing after the other's on every process: XLA's
@@ -515,6 +520,35 @@ class Pipelined:
         if self.chunked[d]:
             bufs = tuple(lax.all_gather(b, DATA) for b in bufs)
         return tuple(lax.ppermute(b, STAGE, list(pairs)) for b in bufs)
+
+    def _cross_late(self, sidx, senders, rounds, made) -> dict:
+        """What the last tick made (per shift, its buffers per dtype), as its receivers get
+        it: per shift a dict by dtype. A round of two opposite shifts crosses in one
+        `ppermute`, each stage sending its own shift's buffers, padded to the wider."""
+        out = {}
+        for rnd in rounds:
+            if len(rnd) == 1:
+                d, = rnd
+                out[d] = dict(zip(self.wire_sizes[d], self._cross(d, senders[d][2], *made[d])))
+                continue
+            sizes: dict = {}
+            for d in rnd:
+                for k, n in self.wire_sizes[d].items():
+                    sizes[k] = max(sizes.get(k, 0), n)
+            mine = [dict(zip(self.wire_sizes[d], made[d])) for d in rnd]
+
+            def fill(x, k, n):
+                return jnp.zeros((n,), dtype_of(k)) if x is None else \
+                    jnp.pad(x, (0, n - x.shape[0]))
+            first = jnp.asarray([any(a == s for a, _ in senders[rnd[0]][2])
+                                 for s in range(self.S)])[sidx]
+            both = tuple(jnp.where(first, fill(mine[0].get(k), k, n), fill(mine[1].get(k), k, n))
+                         for k, n in sizes.items())
+            got = dict(zip(sizes, lax.ppermute(
+                both, STAGE, [*senders[rnd[0]][2], *senders[rnd[1]][2]])))
+            for d in rnd:
+                out[d] = {k: got[k][:n] for k, n in self.wire_sizes[d].items()}
+        return out
 
     def _tick_branch(self, g, ph, m, state, data, pool, mail, keeping):
         """The work of group g's devices in phase `ph` ("F" or "B") on microbatch `m`.

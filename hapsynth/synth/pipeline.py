@@ -34,7 +34,7 @@ from hapsynth.synth.collectives import all_reduce
 from hapsynth.synth.costmodel import compute_time
 from hapsynth.synth.pipeschedule import PipeSchedule, Slot, schedule
 from hapsynth.synth.plan import Plan
-from hapsynth.synth.slots import APART_BYTES, packed_bytes, tick_tables
+from hapsynth.synth.slots import APART_BYTES, packed_bytes, tick_tables, wire_rounds
 from hapsynth.synth.stages import Regions, stage_of
 
 __all__ = ["Pipeline", "plan_pipeline", "rows_of", "islands_of"]
@@ -377,13 +377,16 @@ class _Evaluator:
         # a tick's crossing when the lowering sends it during the next tick (`lockstep`):
         # per shift between stages (skips too), every pair that ever sends on it crosses
         # with the shift's widest message (gathered over the stage's devices first if any
-        # pair splits rows differently); one shift after the other
-        wire = 0.0
+        # pair splits rows differently); one round after the other (`wire_rounds`)
+        shift_s, pairs, gathered = {}, {}, set()
         for d in {b - a for a in range(S) for b in range(S) if a != b and send[a, b].any()}:
-            pairs = [a for a in range(S) if 0 <= a + d < S and send[a, a + d].any()]
-            wide = max(send[a, a + d].max() for a in pairs)
-            gather = any(rows[a] != rows[a + d] for a in pairs)
-            wire += max(seconds(a, a + d, wide, len(islands[a]) if gather else 1) for a in pairs)
+            pairs[d] = [(a, a + d) for a in range(S) if 0 <= a + d < S and send[a, a + d].any()]
+            wide = max(send[a, b].max() for a, b in pairs[d])
+            if any(rows[a] != rows[b] for a, b in pairs[d]):
+                gathered.add(d)
+            shift_s[d] = max(seconds(a, b, wide, len(islands[a]) if d in gathered else 1)
+                             for a, b in pairs[d])
+        wire = sum(max(shift_s[d] for d in rnd) for rnd in wire_rounds(pairs, gathered))
         copy = np.zeros((S, S))  # parameter bytes a -> b before the first tick (one buffer)
         for s in range(S):
             for p in needs[s]:
@@ -409,19 +412,29 @@ class _Evaluator:
         # (a stage keeping nothing takes no slot of the pool, however deep its warm-up)
         memory_cap = [max(1, int((cap - fixed) // keep)) - 1 if keep and per_micro[s] > 0
                       else M for s in range(S)]
-        sch, delay = None, 0
+        base, best = [min(S - s, M) for s in range(S)], None
         for late in (0, 1) if self.overlaps and not self.free_running and S > 1 else (0,):
             def run(x, late=late):
                 return x if self.free_running else lockstep(x, fwd, bwd, fw, bw,
                                                             wire if late else None)
-            try:
-                got = run(schedule(kind, fwd, bwd, M, fw, bw, memory_cap=memory_cap,
-                                   cost=lambda x, run=run: run(x).makespan,
-                                   ready=ready if self.free_running else None))
-            except RuntimeError:
-                return None
-            if sch is None or got.makespan < sch.makespan:
-                sch, delay = got, late
+            caps = memory_cap
+            while True:  # hetero-1F1B shallower until it fits (the caps count the keep pool
+                # alone: its mailboxes and wires grow with its depths too)
+                try:
+                    got = run(schedule(kind, fwd, bwd, M, fw, bw, memory_cap=caps,
+                                       cost=lambda x, run=run: run(x).makespan,
+                                       ready=ready if self.free_running else None))
+                except RuntimeError:
+                    return None
+                used = fixed + self._buffers(got, late, send, share, rows, islands, per_micro)
+                tighter = [min(c, d - 1) if d > b else c
+                           for c, d, b in zip(caps, got.depths or base, base)]
+                if used <= cap or kind != "hetero-1f1b" or tighter == list(caps):
+                    break
+                caps = tighter
+            if best is None or (used > cap, got.makespan) < (best[2] > cap, best[0].makespan):
+                best = (got, late, used)
+        sch, delay, used = best
         tail, sync = [], [all_reduce(cluster, acc[s], islands[s]) for s in range(S)]
         for s in range(S):
             recv = sum(seconds(a, s, once[a, s]) for a in range(S) if a != s)
@@ -434,7 +447,7 @@ class _Evaluator:
                        for s in range(S))
         else:  # as lowered: the copies before the tick loop, the once-per-step rounds after it
             step = head + sch.makespan + max(tail)
-        memory = (fixed + self._buffers(sch, delay, send, share, rows, islands, per_micro),) * S
+        memory = (used,) * S
         fits = memory[0] <= cap
         return Pipeline(tuple(order), tuple(cuts), M, kind, step, sch, tuple(fwd), tuple(bwd),
                         tuple(tail), head, tuple(fw), tuple(bw), memory, fits, rows,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["IDLE", "F", "B", "TickTables", "tick_tables", "keep_pool", "packed_bytes",
-           "APART_BYTES"]
+           "APART_BYTES", "wire_rounds"]
 
 IDLE, F, B = 0, 1, 2
 PHASE = {"F": F, "B": B}
@@ -125,6 +125,28 @@ def tick_tables(table, stages: int, keeps, channels, delay: int = 0) -> TickTabl
         win[win < 0], wout[wout < 0] = used, used
         mail_in[(d, pha)], mail_out[(d, pha)], mail_slots[(d, pha)] = win, wout, used
     return TickTables(phase, micro, keep_in, keep_out, K, mail_in, mail_out, mail_slots)
+
+
+def wire_rounds(senders: dict, alone=()) -> list[tuple[int, ...]]:
+    """The shifts whose messages cross together, one `ppermute` per round, given per shift
+    the (sender, receiver) stage pairs that ever send on it: a shift and its opposite
+    share a round where no stage sends on both and none receives on both (two stages: the
+    forwards one way, the backwards the other, both directions of the link at once); the
+    other shifts cross alone, as do those in `alone` (gathered over the stage's devices
+    first). Rounds run one after the other."""
+    rounds, done = [], set()
+    for d in sorted(senders, key=lambda d: (abs(d), -d)):
+        if d in done:
+            continue
+        done.add(d)
+        both = [*senders[d], *senders.get(-d, ())]
+        if -d in senders and -d not in done and not {d, -d} & set(alone) and \
+                len({a for a, _ in both}) == len({b for _, b in both}) == len(both):
+            done.add(-d)
+            rounds.append((d, -d))
+        else:
+            rounds.append((d,))
+    return rounds
 
 
 #: A state leaf of at least this many bytes has a buffer of its own in a pipelined
