@@ -1129,3 +1129,14 @@ def test_hetero_1f1b_keeps_fewer_in_flight_where_its_deepest_does_not_fit():
     got = tight.price((0, 1), (cut,), 8, "hetero-1f1b")
     assert got.fits and got.memory[0] < deep.memory[0]
     assert got.step <= tight.price((0, 1), (cut,), 8, "1f1b").step + 1e-12
+
+
+def test_a_pipeline_on_cpu_devices_names_the_flag_it_needs(monkeypatch):
+    """Without the XLA flag the tests set (conftest), a pipelined program over several CPU
+    devices of one process warns and names it."""
+    step, args = get("mlp", "tiny")
+    par = hs.parallelize(step, cluster=two_islands(), pipeline=True, time_limit=1)
+    par.plan(*args)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    with pytest.warns(RuntimeWarning, match="concurrency_optimized_scheduler=false"):
+        par.lowered(*args)

@@ -38,6 +38,8 @@ they are read.
 from __future__ import annotations
 
 import functools
+import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +62,14 @@ from hapsynth.synth.stages import analyse, stage_of
 __all__ = ["Pipelined", "Staged"]
 
 STAGE, DATA = "stage", "data"
+
+
+#: XLA's CPU scheduler that runs independent ops side by side gives every permute one
+#: rendezvous key; in a pipelined program over several CPU devices of one process it let
+#: devices meet at different permutes (a failed check in the rendezvous, a hang, or wrong
+#: values: the bf16 step of `tests/elsewhere` over two stages, at most runs). Passed to
+#: `jax.jit` as a compiler option it did not help; set in XLA_FLAGS it did (4 of 4 runs).
+CPU_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 
 
 def _store(bufs, values, at):
@@ -89,6 +99,14 @@ class Pipelined:
                 f"pipeline stages of unequal device counts ({[len(s['devices']) for s in plan.stages]}): "
                 "the (stage, data) mesh needs equal stages")
         self.D = sizes.pop()
+        local = [d for st in plan.stages for d in st["devices"]
+                 if devices[d].process_index == jax.process_index()]
+        if devices[0].platform == "cpu" and len(local) > 1 and \
+                CPU_FLAG not in os.environ.get("XLA_FLAGS", ""):
+            warnings.warn(f"a pipelined program on {len(local)} CPU devices of one process: "
+                          f"XLA's CPU runtime may run its permutes out of order (a failed "
+                          f"check in its rendezvous, a hang, wrong values); set XLA_FLAGS="
+                          f"{CPU_FLAG} before JAX starts", RuntimeWarning, stacklevel=3)
         self.mesh = Mesh(np.array([[devices[d] for d in st["devices"]] for st in plan.stages]),
                          (STAGE, DATA))
         self.nstate = plan.state_leaves
