@@ -395,6 +395,8 @@ class Pipelined:
         senders = {d: self._senders(d) for d in shifts}
         rounds = wire_rounds({d: senders[d][2] for d in shifts},
                              {d for d in shifts if self.chunked[d]})
+        ends = np.cumsum([len(self.wire_sizes[d]) for d in shifts]).tolist()
+        spans = {d: (e - len(self.wire_sizes[d]), e) for d, e in zip(shifts, ends)}  # in outs
         na = {ph: len(self.acc_sizes[ph]) for ph in "FB"}
 
         def tick(i, carry):
@@ -443,8 +445,7 @@ class Pipelined:
             if self.delay:  # what the last tick made crosses, independent of this tick's work
                 outs, made = made, tuple(outs)
             mail, crossed = dict(mail), None
-            by_shift = {d: outs[e - len(self.wire_sizes[d]):e] for d, e in zip(shifts, np.cumsum(
-                [len(self.wire_sizes[d]) for d in shifts]))}
+            by_shift = {d: outs[a:b] for d, (a, b) in spans.items()}
             late = self._cross_late(sidx, senders, rounds, by_shift) if self.delay else {}
             for d in shifts:
                 got = by_shift[d]
