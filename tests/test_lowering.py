@@ -117,6 +117,35 @@ def test_shard_map_program_keeps_fast_kernels(model):
     compare(hs.gather(low(*args)), jax.jit(step)(*args))
 
 
+def test_ops_reading_only_earlier_values_run_beside_their_readers():
+    """Uneven data parallelism (branches): an op whose operands all come from before its
+    segment (Adam's `b1 * m`, a weight's transpose for the backward) runs in the segment
+    of its first reader, not the earliest segment it could: a value leaving a branch is
+    a pass of its own, kept alive until read, where beside its reader XLA fuses it.
+    The program still equals one device."""
+    step, args = get("mlp", "tiny")
+    par = hs.parallelize(step, cluster=CLUSTERS["2+6"](), strategy="data-parallel")
+    low = par.lowered(*args)
+    assert low.mode == "shard_map" and len(low.segments) >= 2
+    eqns, needs, lays = low.prog.eqns, low.plan.op_inputs, low.plan.tensor_layouts
+    seg_of = {o: k for k, seg in enumerate(low.segments) for o in seg}
+    made = {t: seg_of[o] for o in seg_of for t in eqns[o].outputs}
+    moved = 0
+    for o, k in seg_of.items():
+        if any(made.get(x, -1) == k for x in eqns[o].inputs if isinstance(x, int)):
+            continue  # reads a value of its own segment
+        readers = [(seg_of[r], need) for r in seg_of for x, need in zip(
+            eqns[r].inputs, needs[r]) if x in eqns[o].outputs]
+        if not readers:
+            continue
+        latest = min(kr - (need is not None and lays[x] != need)
+                     for x in eqns[o].outputs for kr, need in readers)
+        assert k == latest, (eqns[o].primitive, k, latest)
+        moved += k > 0
+    assert moved > 0  # the optimizer's state-only ops left the first segment
+    compare(hs.gather(low(*args)), jax.jit(step)(*args))
+
+
 layouts = st.sampled_from(["R", "P", "S0", "S1"])
 
 

@@ -85,7 +85,38 @@ def segments(ops: Sequence, op_inputs: Sequence, tensor_layouts: Sequence,
                 made.update(op.outputs)
         out.append(current)
         remaining = later
-    return out
+    return _sink(ops, op_inputs, tensor_layouts, out)
+
+
+def _sink(ops, op_inputs, tensor_layouts, segs: list[list[int]]) -> list[list[int]]:
+    """Each op that reads only values made before its segment moved to the last segment
+    its readers allow. Segments take ops as early as they can, so an optimizer's
+    `b * m` (state only) ran in the forward's segment, a pass of its own over the moment
+    kept alive through the step, where beside its reader XLA fuses it into the update."""
+    at = {o: k for k, seg in enumerate(segs) for o in seg}
+    readers: dict = {}
+    for o in at:
+        for x, need in zip(ops[o].inputs, op_inputs[o]):
+            if isinstance(x, int):
+                readers.setdefault(x, []).append((o, need))
+    made_at = {t: at[o] for o in at for t in ops[o].outputs}
+    for o in sorted(at, reverse=True):  # readers before the ops they read
+        k = at[o]
+        if any(isinstance(x, int) and made_at.get(x, -1) == k for x in ops[o].inputs):
+            continue
+        last = len(segs) - 1
+        for t in ops[o].outputs:
+            for r, need in readers.get(t, ()):
+                converted = need is not None and tensor_layouts[t] != need
+                last = min(last, at[r] - converted)
+        if last > k:
+            at[o] = last
+            for t in ops[o].outputs:
+                made_at[t] = last
+    out = [[] for _ in segs]
+    for o in sorted(at):
+        out[at[o]].append(o)
+    return [seg for seg in out if seg]
 
 
 def exports(ops: Sequence, outputs: Sequence, items: Sequence) -> list[list[int]]:
