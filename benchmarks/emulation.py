@@ -91,5 +91,7 @@ class WorkRepeat:
             return lax.fori_loop(0, count - 1, again, (b, branch(*b)))[1]
 
         # a device that does not repeat runs the plain segment: both branches compute
-        # their results in place, so the fast device pays nothing for the knob
+        # their results in place. The cond is not free on a large model: the paper MLP's
+        # one-device step ran 0.35 s plain and 0.84-0.89 s with it at one repeat (its
+        # weight gradients leave the cond transposed; benchmarks/RESULTS.md, 2026-12-05)
         return lambda *a: lax.cond(count > 1, repeated, branch, *a)
