@@ -92,6 +92,7 @@ class WorkRepeat:
 
         # a device that does not repeat runs the plain segment: both branches compute
         # their results in place. The cond is not free on a large model: the paper MLP's
-        # one-device step ran 0.35 s plain and 0.84-0.89 s with it at one repeat (its
-        # weight gradients leave the cond transposed; benchmarks/RESULTS.md, 2026-12-05)
+        # one-device step runs 0.36 s plain and 0.44-0.46 s with it at one repeat
+        # (0.84-0.89 s while its weight gradients left the cond transposed;
+        # benchmarks/RESULTS.md, 2026-12-05)
         return lambda *a: lax.cond(count > 1, repeated, branch, *a)

@@ -36,8 +36,8 @@ def groups(units: dict, k: int) -> tuple[np.ndarray, list[int]]:
 
 @dataclass(frozen=True)
 class Segments:
-    """Evaluates segments of `prog` under `plan` (`units`: its shard_units; `keep`: ops
-    followed by a barrier, `cpu.keep_dot`)."""
+    """Evaluates segments of `prog` under `plan` (`units`: its shard_units; `keep`: dots
+    made with their operands swapped, `cpu.keep_dot`)."""
 
     prog: Program
     plan: Plan
