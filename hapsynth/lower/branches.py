@@ -73,7 +73,7 @@ class Segments:
                 if plan.op_factors[op_id] >= 0 and dev is not None:
                     params = local_params(eqn, [np.shape(v) for v in vals],
                                           self._local_shapes(eqn, dev))
-                outs = cpu.bind(eqn.primitive, vals, params, barrier=op_id in self.keep)
+                outs = cpu.bind(eqn.primitive, vals, params, swap=op_id in self.keep)
             local.update(zip(eqn.outputs, outs))
         result = []
         for t in exports:

@@ -33,19 +33,15 @@ def keep_dot(ops: Sequence) -> set[int]:
             and any("transpose" in readers.get(t, ()) for t in op.outputs)}
 
 
-def bind(primitive, vals, params, barrier: bool = False) -> list:
+def bind(primitive, vals, params, swap: bool = False) -> list:
     """Bind one op; a list of its results. Convolutions go through `canonical_conv`;
-    `barrier` (a dot of `keep_dot`) binds it by `swapped_dot`."""
+    `swap` (a dot of `keep_dot`) binds it by `swapped_dot`."""
     if primitive.name == "conv_general_dilated":
-        outs = [canonical_conv(primitive, vals, params)]
-    elif barrier and primitive.name == "dot_general":
-        outs = [swapped_dot(primitive, vals, params)]
-    else:
-        outs = _jax.bind(primitive, vals, params)
-        outs = list(outs) if primitive.multiple_results else [outs]
-        if barrier:
-            outs = list(lax.optimization_barrier(outs))
-    return outs
+        return [canonical_conv(primitive, vals, params)]
+    if swap:
+        return [swapped_dot(primitive, vals, params)]
+    outs = _jax.bind(primitive, vals, params)
+    return list(outs) if primitive.multiple_results else [outs]
 
 
 def swapped_dot(primitive, vals, params):
