@@ -915,7 +915,9 @@ def test_sums_apart_put_each_value_in_a_buffer_of_its_own():
 def test_the_sums_are_priced_as_the_lowering_allocates_and_adds_them():
     """Each gradient has a buffer of its own (the largest of each stage in the first, and
     so on): the pricing counts the bytes the lowering allocates, and every backward pays
-    an add over the backward's buffers (read twice, written once) at memory speed."""
+    an add over the buffers it writes into (read twice, written once) at memory speed,
+    not over the other stages' (the paper MLP's loss stage was priced 133 ms a backward
+    for the 234 MB of gradients it never adds)."""
     from hapsynth.synth.pipeline import _Costs, _Evaluator
     step, args = get("gpt", "tiny")
     cluster = two_islands()
@@ -931,18 +933,21 @@ def test_the_sums_are_priced_as_the_lowering_allocates_and_adds_them():
     size = {ph: sum(m * np.dtype(dtype_of(k)).itemsize for k, m in low.acc_sizes[ph].items())
             for ph in "FB"}
     assert len(low.acc_sizes["B"]) > 2 and sc["sums"] == size["F"] + size["B"]
-    assert sc["added"] == size["B"]
+    written = [sum(low.acc_sizes["B"][k] * np.dtype(dtype_of(k)).itemsize
+                   for k in {b for b, _, _ in low.acc_packing["B"][s].slots.values()})
+               for s in range(len(order))]
+    assert sc["added"] == written and min(written) < max(written) <= size["B"]
     M = plan.pipeline["micros"]
     p = ev.price(order, cuts, M, plan.pipeline["schedule"])
     for s, k in enumerate(order):
         bw = min(cluster.device_class(d).mem_bandwidth for d in parts[k])
-        assert p.backward[s] >= 3 * size["B"] / bw > 0
+        assert p.backward[s] >= 3 * written[s] / bw
     slow = _Evaluator(graph, cluster, r, n, _Costs(graph, cluster, r, parts), dp.tensor_layouts)
-    slow.scan(order, cuts)["added"] *= 2
+    slow.scan(order, cuts)["added"] = [2 * x for x in written]
     q = slow.price(order, cuts, M, plan.pipeline["schedule"])
     for s, k in enumerate(order):
         bw = min(cluster.device_class(d).mem_bandwidth for d in parts[k])
-        assert q.backward[s] - p.backward[s] == pytest.approx(3 * size["B"] / bw)
+        assert q.backward[s] - p.backward[s] == pytest.approx(3 * written[s] / bw)
         assert q.forward[s] == p.forward[s]
 
 

@@ -34,7 +34,8 @@ from hapsynth.synth.collectives import all_reduce
 from hapsynth.synth.costmodel import compute_time
 from hapsynth.synth.pipeschedule import PipeSchedule, Slot, schedule
 from hapsynth.synth.plan import Plan
-from hapsynth.synth.slots import APART_BYTES, packed_bytes, tick_tables, wire_rounds
+from hapsynth.synth.slots import (APART_BYTES, packed_bytes, tick_tables, touched_bytes,
+                                  wire_rounds)
 from hapsynth.synth.stages import Regions, stage_of
 
 __all__ = ["Pipeline", "plan_pipeline", "rows_of", "islands_of"]
@@ -339,7 +340,7 @@ class _Evaluator:
         out = dict(owner=owner, fwd=fwd, bwd=bwd, whole=whole, send=send, once=once, acc=acc,
                    resid=resid, needs=needs, nops=nops, sums=packed_bytes(sums),
                    state=packed_bytes(held, APART_BYTES),
-                   added=packed_bytes([[x for x in mine if not x[0]] for mine in sums]))
+                   added=touched_bytes([[x for x in mine if not x[0]] for mine in sums]))
         self._scans[key] = out
         return out
 
@@ -352,10 +353,10 @@ class _Evaluator:
         g = self.g
         extra = self.op_overhead * (M - 1) / M  # per op and microbatch, see OP_OVERHEAD
         fwd = [x / M + n * extra for x, (n, _) in zip(sc["fwd"], sc["nops"])]
-        # a backward adds its gradients to the sums: every buffer of them read twice and
-        # written once, at the stage's slowest memory (unchanged by M: M of them a step)
-        add = [3 * sc["added"] / min(cluster.device_class(d).mem_bandwidth for d in devs)
-               for devs in islands]
+        # a backward adds its gradients to the sums: each buffer it writes into read twice
+        # and written once, at the stage's slowest memory (unchanged by M: M of them a step)
+        add = [3 * n / min(cluster.device_class(d).mem_bandwidth for d in devs)
+               for n, devs in zip(sc["added"], islands)]
         bwd = [x / M + n * extra + a for x, (_, n), a in zip(sc["bwd"], sc["nops"], add)]
         send = sc["send"] / M
         resid = [x / M for x in sc["resid"]]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["IDLE", "F", "B", "TickTables", "tick_tables", "keep_pool", "packed_bytes",
+__all__ = ["IDLE", "F", "B", "TickTables", "tick_tables", "keep_pool", "packed_bytes", "touched_bytes",
            "APART_BYTES", "wire_rounds"]
 
 IDLE, F, B = 0, 1, 2
@@ -162,15 +162,32 @@ def packed_bytes(per_stage, least: int = 0) -> int:
     largest of each dtype shares the first buffer of that dtype with every other stage's
     largest, and so on down; the smaller ones lie end to end in one buffer per group and
     dtype. Every buffer is sized for the stage needing most."""
+    ranked, _ = _buffers(per_stage, least)
+    return int(sum(ranked.values()))
+
+
+def touched_bytes(per_stage, least: int = 0) -> list[int]:
+    """Per stage, the bytes of the buffers (laid out as `packed_bytes`) it writes a value
+    into: a stage adding its sums pads each of those whole, and adds nothing to the rest."""
+    ranked, used = _buffers(per_stage, least)
+    return [int(sum(ranked[k] for k in mine)) for mine in used]
+
+
+def _buffers(per_stage, least: int):
+    """(bytes of each buffer, the buffers each stage writes into)."""
     ranked: dict = {}
+    used: list[set] = []
     for values in per_stage:
         mine: dict = {}
         for group, dtype, n in values:
             mine.setdefault((group, dtype, n >= least), []).append(n)
+        used.append(set())
         for (group, dtype, apart), sizes in mine.items():
             if apart:
                 for j, n in enumerate(sorted(sizes, reverse=True)):
                     ranked[(group, dtype, j)] = max(ranked.get((group, dtype, j), 0), n)
+                    used[-1].add((group, dtype, j))
             else:
                 ranked[(group, dtype)] = max(ranked.get((group, dtype), 0), sum(sizes))
-    return int(sum(ranked.values()))
+                used[-1].add((group, dtype))
+    return ranked, used
