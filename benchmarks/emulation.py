@@ -3,16 +3,21 @@
 `Lowered(prog, plan, devices, branch_hook=WorkRepeat(counts))` makes device i evaluate
 every segment `counts[i]` times (`hapsynth.lower.hook` describes the hook). Repeating
 the same ops on the same operands is CSE'd by XLA (optimization barriers do not stop it
-on CPU), so the repeats run in a loop whose trip count is a runtime input; each turn
-changes one element of every operand in place by `where(flag, 1, 0)` (`flag` a runtime
-False) and carries the segment's results out of the loop. Values are unchanged, yet XLA
-can neither merge, hoist nor drop a repeat, and no extra elementwise work is fused into
-the repeated ops (their matmuls stay library calls). Counts change without recompiling
+on CPU), so the repeats run first, on copies of the operands, in a loop whose trip count
+is a runtime input; each turn changes one element of every copy in place by
+`where(flag, 1, 0)` (`flag` a runtime False) and carries the segment's results out of
+the loop. Values are unchanged, yet XLA can neither merge, hoist nor drop a repeat, and
+no extra elementwise work is fused into the repeated ops (their matmuls stay library
+calls). The segment itself then runs on the operands, as on a device that does not
+repeat, and one element of the last repeat's results, times the flag, is added to one of
+its results in place, so the loop is not dead code. Counts change without recompiling
 (`set`), and one `WorkRepeat` may serve several programs on the same devices. The
-repeats sit in a `cond` taken only when the count exceeds one, so a device that does not
-repeat runs the plain segment. Repeats find their operands warm in cache, so r repeats
-cost less than r first runs: the emulated device is somewhat less than r times slower
-(`hapsynth bench hetero` calibrates against this harness, not against r).
+repeats sit in a `cond` taken only when the count exceeds one; both of its sides leave
+the segment's results where the plain segment does, so a device that does not repeat
+runs at (nearly) its plain speed. Repeats find their operands warm in cache and pay for
+their copies, so r repeats cost about, not exactly, r first runs (`hapsynth bench
+pipeline` measures the slow device's rate as it runs; `hapsynth bench hetero`
+calibrates against this harness, not against r).
 """
 from __future__ import annotations
 
@@ -83,16 +88,30 @@ class WorkRepeat:
             b = nudge(carry[0])
             return b, branch(*b)
 
-        def repeated(*a):
-            # the loop updates its operands in place; for the step's own (read-only)
-            # inputs XLA would copy them before the branch, on every device, so this
-            # branch makes its own copies of those
-            b = tuple(v + zero(v) if e and numeric(v) else v for v, e in zip(a, entry))
-            return lax.fori_loop(0, count - 1, again, (b, branch(*b)))[1]
+        def corner(vals):
+            # one element of every numeric result, summed (read out of the loop's results,
+            # which XLA cannot narrow to one element)
+            return sum((v.reshape(-1)[0].astype(jnp.float32) for v in vals if numeric(v)),
+                       jnp.float32(0))
 
-        # a device that does not repeat runs the plain segment: both branches compute
-        # their results in place. The cond is not free on a large model: the paper MLP's
-        # one-device step runs 0.36 s plain and 0.44-0.46 s with it at one repeat
-        # (0.84-0.89 s while its weight gradients left the cond transposed;
-        # benchmarks/RESULTS.md, 2026-12-05)
+        def repeated(*a):
+            # the repeats on copies (the loop updates them in place), then the segment on
+            # the operands, as a device that does not repeat runs it: both sides of the
+            # cond then leave their results where the plain segment does. (Returning the
+            # loop's results made XLA copy every result out of the cond, on every device:
+            # the paper MLP's pipelined step on 2 CPU devices of one process, 0.57 s
+            # without the hook, took 0.76 s with it at one repeat, 0.60 s now.)
+            b = tuple(v + zero(v) if numeric(v) else v for v in a)
+            _, last = lax.fori_loop(0, count - 2, again, (b, branch(*b)))
+            out = list(branch(*a))
+            for i, v in enumerate(out):
+                if numeric(v):  # O(1), in place; adds 0 unless the flag is set
+                    at = (0,) * v.ndim
+                    tie = jnp.where(flag, corner(last), 0).astype(v.dtype).reshape((1,) * v.ndim)
+                    out[i] = lax.dynamic_update_slice(v, lax.dynamic_slice(v, at, (1,) * v.ndim)
+                                                      + tie, at)
+                    break
+            return tuple(out)
+
+        # a device that does not repeat runs the plain segment
         return lambda *a: lax.cond(count > 1, repeated, branch, *a)

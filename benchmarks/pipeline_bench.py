@@ -9,13 +9,15 @@ bucket (`tc qdisc tbf`, jumbo frames so that the bucket sees every packet); ever
 between the processes crosses it, the gradient all-reduce of SPMD as much as a
 pipeline's activations. This needs root and iproute2 (`ip`, `tc`).
 
-In one run: the link is measured (`hapsynth.profile.links`, inside the namespace), the
-compute rate calibrated from even data parallelism with every branch run once and
-three times, timed alternately (`calibrate_work`), the fixed per-step cost from the
-step on the fast device alone by plain `jax.jit` (no link in it), and the link's
-bandwidth inside a step from the same 1:1 data-parallel probe (its time less work and
-fixed cost is its all-reduce); the cluster is then two islands, the fast class at that
-rate and the slow at rate / r, joined by the measured link. Planned on it: the best
+In one run: the link is measured (`hapsynth.profile.links`, inside the namespace); the
+cost of a repeat from even data parallelism with every branch run once and three times,
+timed alternately (`calibrate_work`); the fixed per-step cost and the fast device's rate
+from the step on the fast device alone by plain `jax.jit` (no link in it); the slow
+device's rate from the fast one's plus r - 1 repeats (so each class is priced at what
+it runs at, as `hapsynth profile` measures real devices; a repeat can cost more than a
+first run, and the slow device then runs at more than r:1); and the link's bandwidth
+inside a step from the same 1:1 probe (its time less work and fixed cost is its
+all-reduce). The cluster is two islands of those rates joined by the measured link. Planned on it: the best
 SPMD-only plan over both devices (`pipeline=False`), the fast device alone (what a user
 could run instead; two processes do not run a plan on part of their devices, so it is
 run as plain `jax.jit` on process 0's device), and the best pipeline (`pipeline=True`).
@@ -67,6 +69,16 @@ def calibrate_work(prog, probe, devices, args, reps: int) -> tuple[float, float]
     return t["1"], max((t["3"] - t["1"]) / 2, 1e-6)
 
 
+def class_rates(alone_priced: float, alone_seconds: float, probe_priced: float,
+                repeat_seconds: float, r: float) -> tuple[float, float]:
+    """Each class's rate as it runs (what `hapsynth profile` measures of real devices), as
+    multiples of the rates the `*_priced` seconds were priced at: the fast device's from
+    its step alone, the slow one's from that plus r - 1 repeats at the rate the probe's
+    repeat shows (a repeat can cost more than a first run, where its copies dominate)."""
+    fast = alone_priced / max(alone_seconds, 1e-9)
+    return fast, 1.0 / (1.0 / fast + (r - 1.0) * repeat_seconds / probe_priced)
+
+
 class _Alone:
     """The step by plain `jax.jit` on this process's one device, no slow device, no link:
     on process 0 the fast device alone, what a user could run instead of any plan (the
@@ -113,15 +125,18 @@ def measure(model: str, config: str, ratio: float, reps: int, time_limit: float)
             graph, cluster, num_state_leaves=nstate, data_inputs=graph.inputs[nstate:],
             time_limit=time_limit, **kw))
 
-    probe = plan(_islands(1e11, 1e10, 1.0, link), strategy="data-parallel", shares=(0.5, 0.5))
-    t1, work = calibrate_work(prog, probe, devices, args, reps)
+    base = _islands(1e11, 1e10, 1.0, link)
+    probe = plan(base, strategy="data-parallel", shares=(0.5, 0.5))
+    t1, rep = calibrate_work(prog, probe, devices, args, reps)
     busy = probe.breakdown["compute_per_class"]["fast"]
-    scale = busy / work
     # the fixed cost of a step (dispatch, not split, not slowed), from the step on the
     # fast device alone: no link in it, whose price would otherwise land here
     alone_runs = {"alone": (_Alone(step, jax.local_devices()[0]), args)}
     alone_1to1 = _time_steps(alone_runs, reps)["alone"]
-    overhead = max(alone_1to1 - 2 * work, 0.0)
+    overhead = max(alone_1to1 - 2 * rep, 0.0)
+    fast, slow = class_rates(plan(base.subset((0,)), pipeline=False).predicted_step_time,
+                             alone_1to1 - overhead, busy, rep, ratio)
+    work = busy / fast  # the probe's compute, run once
     # the link as a step sees it: the probe's time less its work and the fixed cost is
     # its gradient all-reduce; the bandwidth is scaled to make the model say so (an
     # isolated psum sweep is faster than the same bytes inside a step)
@@ -129,8 +144,9 @@ def measure(model: str, config: str, ratio: float, reps: int, time_limit: float)
     seen = t1 - work - overhead
     slower = seen / comm if comm > 0 and seen > comm else 1.0
     link = {**link, "bandwidth": link["bandwidth"] / slower, "swept_bandwidth": link["bandwidth"]}
-    cluster = _islands(1e11 * scale, 1e10 * scale, ratio, link)
-    progress(f"calibrated: {1e11 * scale / 1e9:.1f} GFLOP/s, overhead {overhead * 1e3:.1f} ms, "
+    cluster = _islands(1e11 * fast, 1e10 * fast, fast / slow, link)
+    progress(f"calibrated: fast {1e11 * fast / 1e9:.1f} GFLOP/s, slow {1e11 * slow / 1e9:.1f} "
+             f"(emulated {fast / slow:.2f}:1), overhead {overhead * 1e3:.1f} ms, "
              f"link in a step {link['bandwidth'] / 1e6:.1f} MB/s")
     spmd = plan(cluster, pipeline=False)
     alone = plan(cluster.subset((0,)), pipeline=False)
@@ -143,6 +159,8 @@ def measure(model: str, config: str, ratio: float, reps: int, time_limit: float)
             "pipeline": (Pipelined(prog, pipe, devices, branch_hook=emulate), args),
             **alone_runs}
     measured = _time_steps(runs, reps)
+    if os.environ.get("HAPSYNTH_BENCH_TRACE"):  # a profile of two pipelined steps, per process
+        _trace(*runs["pipeline"], f"{os.environ['HAPSYNTH_BENCH_TRACE']}/p{jax.process_index()}")
     predicted = {"SPMD": spmd.predicted_step_time + overhead,
                  "pipeline": pipe.predicted_step_time + overhead,
                  "alone": alone.predicted_step_time + overhead}
@@ -154,9 +172,24 @@ def measure(model: str, config: str, ratio: float, reps: int, time_limit: float)
                                   for s in pipe.stages],
                          "ops": [s["ops"] for s in pipe.stages],
                          "by_kind": pipe.pipeline["by_kind"]},
-            "calibration": {"flops": 1e11 * scale, "overhead": overhead, "probe_1to1": t1,
-                            "probe_thrice": t1 + 2 * work, "alone_1to1": alone_1to1,
+            "calibration": {"flops": 1e11 * fast, "slow_flops": 1e11 * slow,
+                            "emulated": fast / slow, "overhead": overhead, "probe_1to1": t1,
+                            "probe_thrice": t1 + 2 * rep, "alone_1to1": alone_1to1,
                             "link_in_step": link["bandwidth"]}}
+
+
+def _trace(lowered, args, where: str) -> None:
+    """Two steps of `lowered` under `jax.profiler`, after two untimed ones."""
+    import jax
+
+    batch = lowered.shard(*args)[2:]
+    out = jax.block_until_ready(lowered(*args))
+    for traced in (False, True):
+        if traced:
+            jax.profiler.start_trace(where)
+        for _ in range(2):
+            out = jax.block_until_ready(lowered(out[0], out[1], *batch))
+    jax.profiler.stop_trace()
 
 
 @contextlib.contextmanager
@@ -218,7 +251,9 @@ def format_row(r: dict) -> str:
     pipe = r["pipeline"]
     idle = [s for s, n in zip(pipe["stages"], pipe.get("ops", pipe.get(
         "work", [1] * len(pipe["stages"])))) if n <= 0]  # (before "ops": its work was 0)
-    lines = [f"{r['model']} at {r['ratio']}, link {r.get('link_limit', 'loopback')} (psum sweep "
+    emulated = r.get("calibration", {}).get("emulated")
+    lines = [f"{r['model']} at {r['ratio']}" + (f" (runs as {emulated:.2f}:1)" if emulated else "")
+             + f", link {r.get('link_limit', 'loopback')} (psum sweep "
              f"{ln.get('swept_bandwidth', ln['bandwidth']) / 1e6:.1f} MB/s, in a step "
              f"{ln['bandwidth'] / 1e6:.1f} MB/s, {ln['latency'] * 1e6:.0f} us); "
              f"pipeline {len(pipe['stages'])} stages x {pipe['micros']} microbatches, "

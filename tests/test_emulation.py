@@ -44,6 +44,21 @@ def test_work_repeat_keeps_values_and_really_runs():
     assert slow._fn._cache_size() == 1  # one compilation for every count
 
 
+def test_the_harness_prices_each_class_at_the_rate_it_runs_at():
+    """`hapsynth bench pipeline`'s calibration: the fast class from its step alone, the
+    slow one from that plus r - 1 repeats as the probe measured them."""
+    from hapsynth_bench.pipeline_bench import class_rates
+
+    # a step priced 1 s that runs in 0.5 s: twice the priced rate; repeats as dear as
+    # first runs (0.25 s of the probe's 0.5 priced s): the slow device at r:1
+    fast, slow = class_rates(1.0, 0.5, 0.5, 0.25, 2)
+    assert fast == pytest.approx(2.0) and slow == pytest.approx(1.0)
+    assert class_rates(1.0, 0.5, 0.5, 0.25, 3)[1] == pytest.approx(2 / 3)
+    # a repeat costing 1.5x a first run: the slow device runs at 2.5:1, not 2:1
+    fast, slow = class_rates(1.0, 0.5, 0.5, 0.375, 2)
+    assert fast / slow == pytest.approx(2.5)
+
+
 def test_work_repeat_is_checked():
     """Bad counts are rejected; with a branch hook even an even plan is `shard_map`."""
     step, args = get("mlp", "tiny")
