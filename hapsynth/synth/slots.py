@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["IDLE", "F", "B", "TickTables", "tick_tables", "keep_pool", "packed_bytes", "touched_bytes",
-           "APART_BYTES", "wire_rounds"]
+__all__ = ["IDLE", "F", "B", "TickTables", "tick_tables", "keep_pool", "packed_bytes",
+           "touched_bytes", "APART_BYTES", "wire_rounds"]
 
 IDLE, F, B = 0, 1, 2
 PHASE = {"F": F, "B": B}
