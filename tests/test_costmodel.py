@@ -294,6 +294,11 @@ def test_compute_time_roofline_both_regimes():
     assert cm.TRANSCENDENTAL_FLOPS == 4
     assert close(cm.compute_time(Cost(flops=4e12, transcendentals=1e12), dc), 2.0)
     assert cm.compute_time(Cost(), dc) == 0.0
+    # XLA's CPU runtime does one after the other: the sum
+    cpu = DeviceClass.from_catalogue("CPU", 1, flops=4e12, mem_bandwidth=1e12)
+    assert "CPU" in cm.SERIAL_TYPES
+    assert close(cm.compute_time(Cost(flops=8e12, bytes=1e12), cpu), 3.0)
+    assert close(cm.compute_time(Cost(flops=8e12, bytes=1e12), dc), 2.0)
 
 
 def test_class_compute_times():

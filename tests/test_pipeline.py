@@ -790,7 +790,7 @@ def test_ticks_are_priced_as_the_loop_runs_them():
     graph, dp, r, n = _regions(step, args, cluster)
     parts, _ = stage_parts(cluster)
     cut = (r.cut_points()[len(r.cut_points()) // 2],)
-    costs = _Costs(graph, cluster, r, parts)
+    costs = _Costs(graph, cluster, r, parts, dp.tensor_layouts)
     ev = _Evaluator(graph, cluster, r, n, costs, dp.tensor_layouts)
     assert ev.overlaps
     p = ev.price((0, 1), cut, 4, "1f1b")
@@ -851,7 +851,7 @@ def test_free_running_pricing_drops_only_the_lock_step():
     graph, dp, r, n = _regions(step, args, cluster)
     parts, _ = stage_parts(cluster)
     cut = (r.cut_points()[len(r.cut_points()) // 2],)
-    costs = _Costs(graph, cluster, r, parts)
+    costs = _Costs(graph, cluster, r, parts, dp.tensor_layouts)
     ticked = _Evaluator(graph, cluster, r, n, costs, dp.tensor_layouts).price((0, 1), cut, 4, "1f1b")
     free = _Evaluator(graph, cluster, r, n, costs, dp.tensor_layouts,
                       free_running=True).price((0, 1), cut, 4, "1f1b")
@@ -874,7 +874,7 @@ def test_pricing_counts_each_crossing_once():
     cluster = two_islands()
     graph, dp, r, n = _regions(step, args, cluster)
     parts, _ = stage_parts(cluster)
-    ev = _Evaluator(graph, cluster, r, n, _Costs(graph, cluster, r, parts), dp.tensor_layouts)
+    ev = _Evaluator(graph, cluster, r, n, _Costs(graph, cluster, r, parts, dp.tensor_layouts), dp.tensor_layouts)
     cut = (r.cut_points()[len(r.cut_points()) // 2],)
     sc = ev.scan((0, 1), cut)
     st = [stage_of(x, cut) if x >= 0 else -1 for x in r.rank]
@@ -925,7 +925,7 @@ def test_the_sums_are_priced_as_the_lowering_allocates_and_adds_them():
     low = hs.parallelize(step, cluster=cluster, plan=plan).lowered(*args)
     graph, dp, r, n = _regions(step, args, cluster)
     parts, _ = stage_parts(cluster)
-    ev = _Evaluator(graph, cluster, r, n, _Costs(graph, cluster, r, parts), dp.tensor_layouts)
+    ev = _Evaluator(graph, cluster, r, n, _Costs(graph, cluster, r, parts, dp.tensor_layouts), dp.tensor_layouts)
     order = tuple(next(k for k, d in enumerate(parts) if list(d) == st["devices"])
                   for st in plan.stages)
     cuts = tuple(plan.pipeline["cuts"])
@@ -942,7 +942,7 @@ def test_the_sums_are_priced_as_the_lowering_allocates_and_adds_them():
     for s, k in enumerate(order):
         bw = min(cluster.device_class(d).mem_bandwidth for d in parts[k])
         assert p.backward[s] >= 3 * written[s] / bw
-    slow = _Evaluator(graph, cluster, r, n, _Costs(graph, cluster, r, parts), dp.tensor_layouts)
+    slow = _Evaluator(graph, cluster, r, n, _Costs(graph, cluster, r, parts, dp.tensor_layouts), dp.tensor_layouts)
     slow.scan(order, cuts)["added"] = [2 * x for x in written]
     q = slow.price(order, cuts, M, plan.pipeline["schedule"])
     for s, k in enumerate(order):
@@ -961,7 +961,7 @@ def test_a_stage_keeping_nothing_is_not_capped_by_the_keep_pool():
     cluster = two_islands()
     graph, dp, r, n = _regions(step, args, cluster)
     parts, _ = stage_parts(cluster)
-    ev = _Evaluator(graph, cluster, r, n, _Costs(graph, cluster, r, parts), dp.tensor_layouts)
+    ev = _Evaluator(graph, cluster, r, n, _Costs(graph, cluster, r, parts, dp.tensor_layouts), dp.tensor_layouts)
     cut = (r.cut_points()[0],)
     sc = ev.scan((0, 1), cut)
     assert sc["resid"][0] == 0 < sc["resid"][1]
@@ -999,7 +999,7 @@ def test_cut_points_are_priced_by_what_crosses_them():
     layers = 2  # gpt "tiny"
     assert np.sum(got == residual) >= 2 * layers
     parts, _ = stage_parts(cluster)
-    ev = _Evaluator(graph, cluster, r, n, _Costs(graph, cluster, r, parts), dp.tensor_layouts)
+    ev = _Evaluator(graph, cluster, r, n, _Costs(graph, cluster, r, parts, dp.tensor_layouts), dp.tensor_layouts)
     producer = {t: op.id for op in graph.ops for t in op.outputs}
     for k in (len(points) // 3, len(points) // 2):
         cut = (points[k],)
@@ -1037,7 +1037,7 @@ def test_a_gradient_rearranged_for_its_parameter_is_summed_as_the_optimizer_read
         assert op.inputs[0] not in summed
         assert (op.outputs[0] in summed) == (op.outputs[0] in later)
     parts, _ = stage_parts(cluster)
-    costs = _Costs(graph, cluster, r, parts)
+    costs = _Costs(graph, cluster, r, parts, dp.tensor_layouts)
     ev = _Evaluator(graph, cluster, r, n, costs, dp.tensor_layouts)
     assert ev.partials == summed
     # XLA folds them into the contractions: priced neither time nor an op of their own
@@ -1048,8 +1048,9 @@ def test_a_gradient_rearranged_for_its_parameter_is_summed_as_the_optimizer_read
         mine = [i for i in range(len(graph.ops)) if r.region[i] == "micro" and r.rank[i] >= 0
                 and not r.forward[i] and stage_of(r.rank[i], cut) == s]
         assert sc["nops"][s][1] == len(set(mine) - r.folded) < len(mine)
-        assert sc["bwd"][s] == pytest.approx(sum(costs.micro(i, s) for i in mine
-                                                 if i not in r.folded))
+        assert sc["bwd"][s] == [i for i in mine if i not in r.folded]
+        assert ev.work((0, 1), cut, 2)[1][s] == pytest.approx(
+            sum(costs.micro(i, s, 2) for i in mine if i not in r.folded))
 
 
 def test_large_state_leaves_have_buffers_of_their_own_priced_as_allocated(monkeypatch):
@@ -1086,7 +1087,7 @@ def test_large_state_leaves_have_buffers_of_their_own_priced_as_allocated(monkey
             assert ("/" in k) == big and (off == 0 or not big)
     graph, dp, r, n = _regions(step, args, cluster)
     parts, _ = stage_parts(cluster)
-    ev = _Evaluator(graph, cluster, r, n, _Costs(graph, cluster, r, parts), dp.tensor_layouts)
+    ev = _Evaluator(graph, cluster, r, n, _Costs(graph, cluster, r, parts, dp.tensor_layouts), dp.tensor_layouts)
     order = tuple(next(k for k, d in enumerate(parts) if list(d) == st["devices"])
                   for st in plan.stages)
     sc = ev.scan(order, tuple(plan.pipeline["cuts"]))
@@ -1117,7 +1118,7 @@ def test_hetero_1f1b_keeps_fewer_in_flight_where_its_deepest_does_not_fit():
             links={"inter_island": {"bandwidth": "1Gbps", "latency": "50us"}})
         graph, dp, r, n = _regions(step, args, cluster)
         parts, _ = stage_parts(cluster)
-        return _Evaluator(graph, cluster, r, n, _Costs(graph, cluster, r, parts),
+        return _Evaluator(graph, cluster, r, n, _Costs(graph, cluster, r, parts, dp.tensor_layouts),
                           dp.tensor_layouts), r
 
     ev, r = evaluator()
@@ -1145,3 +1146,32 @@ def test_a_pipeline_on_cpu_devices_names_the_flag_it_needs(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     with pytest.warns(RuntimeWarning, match="concurrency_optimized_scheduler=false"):
         par.lowered(*args)
+
+
+def test_every_microbatch_reads_the_weights_whole():
+    """A microbatch's op works on 1/M of the rows but reads its weights (and writes a
+    weight's gradient) whole: M microbatches touch them M times. Priced on a cluster
+    where memory binds, M microbatches of a matmul cost M - 1 more reads of its weight
+    than the whole batch at once; an elementwise op on the rows alone costs the same."""
+    from hapsynth.synth.pipeline import _Costs
+    step, args = get("mlp", "tiny")
+    cluster = hs.Cluster.simulated([("A100", 4, {"flops": "1PFLOP/s", "mem_bandwidth": "1GB/s"}),
+                                    ("V100", 4, {"flops": "1PFLOP/s", "mem_bandwidth": "1GB/s"})],
+                                   devices_per_host=4, islands={"a": ["A100"], "b": ["V100"]})
+    graph, dp, r, n = _regions(step, args, cluster)
+    parts, _ = stage_parts(cluster)
+    costs = _Costs(graph, cluster, r, parts, dp.tensor_layouts)
+    lay = dp.tensor_layouts
+    micro = [op for op in graph.ops if r.region[op.id] == "micro" and r.rank[op.id] >= 0
+             and op.id not in r.folded]
+    dots = [op for op in micro if op.primitive == "dot_general" and r.forward[op.id]
+            and any(x in graph.inputs[:n] for x in op.inputs)]
+    rows_only = [op for op in micro if op.primitive in ("tanh", "mul", "add", "max")
+                 and all(x is None or lay[x].kind == "S" for x in (*op.inputs, *op.outputs))]
+    assert dots and rows_only
+    for op in dots:
+        weight = sum(graph.tensors[x].nbytes for x in op.inputs if x in graph.inputs[:n])
+        extra = 4 * costs.micro(op.id, 0, 4) - costs.micro(op.id, 0, 1)
+        assert extra == pytest.approx(3 * weight / 1e9, rel=0.05)
+    for op in rows_only:
+        assert 4 * costs.micro(op.id, 0, 4) == pytest.approx(costs.micro(op.id, 0, 1))

@@ -5,7 +5,8 @@ All times are in seconds, all sizes in bytes.
 
 * **Compute** (:func:`compute_time`): a roofline per device class,
   ``max((flops + TRANSCENDENTAL_FLOPS * transcendentals) / class.flops,
-  bytes / class.mem_bandwidth)``.  A transcendental is priced as
+  bytes / class.mem_bandwidth)``, or the sum of the two on device types in
+  :data:`SERIAL_TYPES` (see there).  A transcendental is priced as
   :data:`TRANSCENDENTAL_FLOPS` = 4 flops: XLA's cost convention counts one
   elementwise FP op as one flop, and on the GPUs of interest the special function
   units deliver 16 exp/log/sin/rsqrt results per clock per SM against 64 FP32
@@ -37,6 +38,14 @@ from hapsynth.synth.collectives import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, REDU
 #: Flops charged per transcendental (exp, log, tanh, rsqrt, ...): see the module docstring.
 TRANSCENDENTAL_FLOPS = 4.0
 
+#: Device types that do not overlap an op's memory traffic with its arithmetic, priced at
+#: the sum of the two terms: XLA's CPU runtime, one Eigen thread per device, streams a
+#: matmul's operands in and out between its arithmetic. Measured, one core: [r, 4096] @
+#: [4096, 4096] takes 16.5 / 26.2 / 85 ms at r = 32 / 64 / 256 against 9.8 / 19.5 / 78 ms
+#: of arithmetic at its square-matmul peak, the 67 MB weight costing about the same
+#: ~6.6 ms whatever r. GPUs hide one under the other (many warps in flight): the larger.
+SERIAL_TYPES = frozenset({"CPU"})
+
 # Free conversions returned by :func:`conversion_time` (collectives: see collectives.py).
 NONE = "none"          # identical layouts
 SLICE = "slice"        # R -> S: each device keeps its rows
@@ -52,15 +61,20 @@ def compute_time(cost: Cost, device_class: Any, *,
     """Roofline time of ``cost`` on one device of ``device_class``.
 
     ``max((flops + transcendental_flops * transcendentals) / device_class.flops,
-    bytes / device_class.mem_bandwidth)``; ``device_class`` is any object with
-    ``flops`` (FLOP/s) and ``mem_bandwidth`` (bytes/s), e.g. a ``DeviceClass``.
+    bytes / device_class.mem_bandwidth)`` (their sum if its ``type`` is in
+    :data:`SERIAL_TYPES`); ``device_class`` is any object with ``flops`` (FLOP/s) and
+    ``mem_bandwidth`` (bytes/s), e.g. a ``DeviceClass``.
     """
     flops = float(cost.flops) + transcendental_flops * float(cost.transcendentals)
     for name, v in (("flops", cost.flops), ("transcendentals", cost.transcendentals),
                     ("bytes", cost.bytes)):
         if not math.isfinite(float(v)) or v < 0:
             raise ValueError(f"cost.{name} must be finite and non-negative, got {v!r}")
-    return max(flops / device_class.flops, float(cost.bytes) / device_class.mem_bandwidth)
+    arithmetic = flops / device_class.flops
+    memory = float(cost.bytes) / device_class.mem_bandwidth
+    if getattr(device_class, "type", None) in SERIAL_TYPES:
+        return arithmetic + memory
+    return max(arithmetic, memory)
 
 
 def class_compute_times(cluster: Cluster, costs: Cost | Sequence[Cost], *,

@@ -4,10 +4,11 @@ A pipeline here is one stage per island or per equal part of one (`stage_parts`)
 some order of the islands, each stage a contiguous range of ranks (`stages.py`), data
 parallel inside its devices at FLOP/s-proportional rows (uneven
 where the island mixes classes). Priced per microbatch: every stage's forward and
-backward at its rows (and the backward's add of its gradients into the sums, at memory
-speed); each tensor crossing a boundary over the link between the two
-islands; the schedule simulated (`pipeschedule.py`) for its order, then priced in lock step
-as the lowering runs it (`lockstep`: a tick lasts its longest work and then its longest
+backward at its rows, each microbatch reading its weights (and writing their gradients)
+whole, and the backward's add of its gradients into the sums, at memory speed; each
+tensor crossing a boundary over the link between the two islands; the schedule
+simulated (`pipeschedule.py`) for its order, then priced in lock step as the lowering
+runs it (`lockstep`: a tick lasts its longest work and then its longest
 transfer each way, one way after the other, or, sending a tick late beside the next
 work where collectives run asynchronously, the longer of the two). Once per step: the
 parameters a stage reads but does not store (tied embeddings) are copied before the
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hapsynth.cluster import Cluster
-from hapsynth.ir.graph import Graph
+from hapsynth.ir.graph import Cost, Graph
 from hapsynth.synth.collectives import all_reduce
 from hapsynth.synth.costmodel import compute_time
 from hapsynth.synth.pipeschedule import PipeSchedule, Slot, schedule
@@ -110,34 +111,41 @@ def rows_of(cluster: Cluster, devices, rows: int) -> tuple[int, ...]:
 
 
 class _Costs:
-    """Per op and island: seconds per microbatch of 1/M of the batch, per class."""
+    """Per op and island: seconds of one microbatch, per class."""
 
-    def __init__(self, graph: Graph, cluster: Cluster, regions: Regions, islands):
+    def __init__(self, graph: Graph, cluster: Cluster, regions: Regions, islands, layouts):
         self.graph, self.cluster, self.regions = graph, cluster, regions
         self.islands = islands
         self._micro: dict = {}
+        # per op: the bytes of its values without the batch's rows in them (state read,
+        # or made from it alone; a weight's gradient, a partial sum), which every
+        # microbatch touches whole
+        state = set(graph.inputs[:len(regions.owner_rank)])
+        whole = {t for t, x in enumerate(graph.tensors) if t in state or layouts[t].kind == "P"
+                 or x.producer is not None and regions.region[x.producer] == "pre"}
+        self.fixed = [sum(graph.tensors[t].nbytes for t in {*op.inputs, *op.outputs} & whole)
+                      * op.repeat for op in graph.ops]
         self.share = []   # per island: per device class in it, the share of the rows
         for devs in islands:
             total = sum(cluster.device_class(d).flops for d in devs)
             classes = sorted({cluster.class_of(d) for d in devs})
             self.share.append({c: cluster.classes[c].flops / total for c in classes})
 
-    def micro(self, op, island: int) -> float:
-        """Seconds for the whole batch at the island's rows (divide by M per microbatch)."""
-        key = (op, island)
+    def micro(self, op, island: int, M: int = 1) -> float:
+        """Seconds of one microbatch of 1/M of the batch at the island's rows: flops and
+        per-example bytes scale with its rows, the `fixed` bytes do not."""
+        key = (op, island, M)
         if key not in self._micro:
-            cost = self.graph.ops[op].cost
-            self._micro[key] = max(compute_time(_scaled(cost, f), self.cluster.classes[c])
-                                   for c, f in self.share[island].items())
+            cost, fixed = self.graph.ops[op].cost, min(self.fixed[op], self.graph.ops[op].cost.bytes)
+            self._micro[key] = max(
+                compute_time(Cost(cost.flops * f / M, cost.transcendentals * f / M,
+                                  (cost.bytes - fixed) * f / M + fixed), self.cluster.classes[c])
+                for c, f in self.share[island].items())
         return self._micro[key]
 
     def whole(self, op, island: int) -> float:
         return max(compute_time(self.graph.ops[op].cost, self.cluster.classes[c])
                    for c in self.share[island])
-
-
-def _scaled(cost, f):
-    return type(cost)(cost.flops * f, cost.transcendentals * f, cost.bytes * f)
 
 
 def plan_pipeline(graph: Graph, cluster: Cluster, regions: Regions, layouts, num_state_leaves: int,
@@ -152,7 +160,7 @@ def plan_pipeline(graph: Graph, cluster: Cluster, regions: Regions, layouts, num
         return None
     islands, island_of_part = stage_parts(cluster)
     S = len(islands)
-    costs = _Costs(graph, cluster, regions, islands)
+    costs = _Costs(graph, cluster, regions, islands, layouts)
     micro_ops = [i for i, r in enumerate(regions.region) if r == "micro" and regions.rank[i] >= 0]
     points = regions.cut_points()
     if len(points) < S - 1:
@@ -260,6 +268,7 @@ class _Evaluator:
         self.leaf = {t: i for i, t in enumerate(graph.inputs[:num_state_leaves])}
         # the partial sums each microbatch adds to: summed in the island after the last one
         self._scans: dict = {}
+        self._works: dict = {}
         self.op_overhead = max(OP_OVERHEAD.get(c.type, OP_OVERHEAD_GPU) for c in cluster.classes)
         # (those read once a step, by the ops after the microbatches or as outputs, as the
         # lowering accumulates them; not a gradient a microbatch's own ops rearrange first)
@@ -272,8 +281,8 @@ class _Evaluator:
                          for t in op.outputs if layouts[t].kind == "P" and t in later}
 
     def scan(self, order, cuts) -> dict:
-        """What a cut costs whatever the microbatches: per stage the whole batch's forward
-        and backward seconds, the bytes crossing, summed, kept and stored (cached)."""
+        """What a cut costs whatever the microbatches: per stage its forward and backward
+        ops, the bytes crossing, summed, kept and stored (cached)."""
         key = (tuple(order), tuple(cuts))
         if key in self._scans:
             return self._scans[key]
@@ -281,7 +290,7 @@ class _Evaluator:
         S = len(order)
         st = [stage_of(x, cuts) if x >= 0 else -1 for x in r.rank]
         owner = [stage_of(x, cuts) for x in r.owner_rank]
-        fwd, bwd, whole = [0.0] * S, [0.0] * S, [0.0] * S
+        fwd, bwd, whole = [[] for _ in range(S)], [[] for _ in range(S)], [0.0] * S
         send = np.zeros((S, S, 2))       # bytes of the whole batch a -> b, forward/backward
         once = np.zeros((S, S))          # bytes per step a -> b after the microbatches (sums)
         resid = [0.0] * S
@@ -294,13 +303,9 @@ class _Evaluator:
             if reg == "micro" and s >= 0:
                 # (a transpose of a gradient XLA folds into the contraction making it:
                 # neither time nor an op of its own)
-                t, one = (0.0, 0) if i in r.folded else (costs.micro(i, order[s]), 1)
-                if r.forward[i]:
-                    fwd[s] += t
-                    nops[s][0] += one
-                else:
-                    bwd[s] += t
-                    nops[s][1] += one
+                if i not in r.folded:
+                    (fwd if r.forward[i] else bwd)[s].append(i)
+                    nops[s][0 if r.forward[i] else 1] += 1
                 sums[s] += [(r.forward[i], str(g.tensors[o].dtype), g.tensors[o].nbytes)
                             for o in op.outputs if o in self.partials]
             elif reg == "post":
@@ -344,6 +349,15 @@ class _Evaluator:
         self._scans[key] = out
         return out
 
+    def work(self, order, cuts, M) -> tuple[list, list]:
+        """Per stage, the seconds of one microbatch's forward and backward ops (cached)."""
+        key = (tuple(order), tuple(cuts), M)
+        if key not in self._works:
+            sc = self.scan(order, cuts)
+            self._works[key] = tuple([sum(self.costs.micro(i, k, M) for i in ops)
+                                      for ops, k in zip(sc[way], order)] for way in ("fwd", "bwd"))
+        return self._works[key]
+
     def price(self, order, cuts, M, kind) -> Pipeline | None:
         r, cluster, costs = self.r, self.cluster, self.costs
         S = len(order)
@@ -352,12 +366,13 @@ class _Evaluator:
         owner, whole, once, acc, needs = (sc[k] for k in ("owner", "whole", "once", "acc", "needs"))
         g = self.g
         extra = self.op_overhead * (M - 1) / M  # per op and microbatch, see OP_OVERHEAD
-        fwd = [x / M + n * extra for x, (n, _) in zip(sc["fwd"], sc["nops"])]
+        fwd, bwd = self.work(order, cuts, M)
+        fwd = [x + n * extra for x, (n, _) in zip(fwd, sc["nops"])]
         # a backward adds its gradients to the sums: each buffer it writes into read twice
         # and written once, at the stage's slowest memory (unchanged by M: M of them a step)
         add = [3 * n / min(cluster.device_class(d).mem_bandwidth for d in devs)
                for n, devs in zip(sc["added"], islands)]
-        bwd = [x / M + n * extra + a for x, (_, n), a in zip(sc["bwd"], sc["nops"], add)]
+        bwd = [x + n * extra + a for x, (_, n), a in zip(bwd, sc["nops"], add)]
         send = sc["send"] / M
         resid = [x / M for x in sc["resid"]]
         rows = tuple(rows_of(cluster, devs, r.batch // M) for devs in islands)
