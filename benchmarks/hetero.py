@@ -13,7 +13,8 @@ r times). In one run, per model and speed ratio r:
    rate / r for the slow one;
 2. DP-EV, DP-CP, the synthesized plan and a grid of data-parallel splits (the fast
    device's share of the batch) are lowered and timed alternately, median of `reps`
-   after warm-up; `measured_best` is the best grid point;
+   after warm-up (untimed rounds until the heap stops growing); `measured_best` is the
+   best grid point;
 3. the cost model's prediction (plus the fixed overhead) is printed beside each
    measured time.
 """
@@ -45,17 +46,31 @@ def _cluster(flops: float, bandwidth: float, ratio: float, link: dict | None):
 _BARRIERS = itertools.count()  # each barrier's name is used once
 
 
+#: Untimed rounds of the rotation, at most, until the heap stops growing (`_time_steps`).
+STEADY_ROUNDS = 12
+#: A round grew the heap when a process's peak resident memory rose by more than this.
+STEADY_BYTES = 8 << 20
+
+
 def _time_steps(runs: dict, reps: int, warmup: int = 2) -> dict:
     """Alternate the programs step by step; median seconds per step of each (process
     0's, on every process: `launch.agreed`). Across processes, every step starts
     together, after all have finished the step before, so that no process starts a
     program while another still runs the last one (behind the slow link gloo aborted
     runs on messages of mismatched sizes, "Received data size doesn't match expected
-    size"; this closes one way that could happen, see RESULTS.md)."""
+    size"; this closes one way that could happen, see RESULTS.md).
+
+    Timed once the heap has stopped growing: untimed rounds of the rotation run until in
+    one no process's peak resident memory rose (`STEADY_BYTES`; a GPU's caching allocator
+    has its pool after its first steps). Alternating programs of different buffers
+    fragments glibc's heap, which grew for several rounds before it sufficed: the paper
+    MLP's pipelined step took 1.5-5.4 s in those, faulting 0.17-0.38 M pages, and 0.53 s
+    after them, its heap 9.2 GB (one round of warm-up, as before, timed 1.1 s against
+    0.60 s alone)."""
     import jax
 
     from hapsynth._jax import process_barrier
-    from hapsynth_bench.launch import agreed, quiet_gloo_loops
+    from hapsynth_bench.launch import agreed, largest, peak_memory, progress, quiet_gloo_loops
 
     def together():
         if jax.process_count() > 1:
@@ -70,18 +85,30 @@ def _time_steps(runs: dict, reps: int, warmup: int = 2) -> dict:
             out = lowered(out[0], out[1], *batch[name])
         state[name] = jax.block_until_ready(out)
     times = {name: [] for name in runs}
-    for timed in (False, True):  # one untimed round in the rotation's order first
-        if jax.process_count() > 1:
-            quiet_gloo_loops()  # loop threads opened by the new programs' collectives
-        for _ in range(reps if timed else 1):
-            for name, (lowered, args) in runs.items():
-                together()
-                t0 = time.perf_counter()
-                out = jax.block_until_ready(
-                    lowered(state[name][0], state[name][1], *batch[name]))
-                if timed:
-                    times[name].append(time.perf_counter() - t0)
-                state[name] = out
+
+    def rotation(timed: bool) -> int:
+        """One step of every program; how much higher this process's memory peaked."""
+        peak = peak_memory()
+        for name, (lowered, args) in runs.items():
+            together()
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(lowered(state[name][0], state[name][1], *batch[name]))
+            if timed:
+                times[name].append(time.perf_counter() - t0)
+            state[name] = out
+        return peak_memory() - peak
+
+    if jax.process_count() > 1:
+        quiet_gloo_loops()  # loop threads opened by the new programs' collectives
+    for rounds in range(1, STEADY_ROUNDS + 1):
+        if largest(rotation(False)) <= STEADY_BYTES:
+            break
+    else:
+        progress(f"the heap still grew after {STEADY_ROUNDS} untimed rounds")
+    if jax.process_count() > 1:
+        quiet_gloo_loops()
+    for _ in range(reps):
+        rotation(True)
     return agreed({name: statistics.median(ts) for name, ts in times.items()})
 
 

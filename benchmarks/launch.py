@@ -105,6 +105,25 @@ def agreed(value):
     return json.loads(from_process_zero(json.dumps(value) if jax.process_index() == 0 else None))
 
 
+def largest(value: float) -> float:
+    """The largest of every process's `value`."""
+    import jax
+    import numpy as np
+
+    if jax.process_count() == 1:
+        return value
+    from jax.experimental import multihost_utils
+
+    return float(np.max(multihost_utils.process_allgather(np.float64(value))))
+
+
+def peak_memory() -> int:
+    """This process's peak resident memory so far, in bytes."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def agreed_plan(make):
     """The plan (a `Plan`) `make()` makes on process 0, on every process (see `agreed`);
     the others do not plan."""

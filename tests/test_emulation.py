@@ -231,3 +231,33 @@ def test_profile_writes_a_cluster_that_loads():
     assert isl.link_between(0, 7) == isl.inter_island
     with pytest.raises(ValueError, match="3 equal islands"):
         profile.to_toml(result, islands=3)
+
+
+def test_steps_are_timed_once_the_heap_stops_growing():
+    """`_time_steps` rotates untimed until no step takes new memory (a GPU's caching
+    allocator has its pool after its first steps; glibc's heap, fragmented by programs
+    of different buffers, grew for several rounds), then times `reps` rounds."""
+    from hapsynth_bench.hetero import STEADY_BYTES, _time_steps
+
+    class Growing:
+        """A program whose first `grow` calls each touch 64 MB of new memory."""
+
+        def __init__(self, grow: int):
+            self.grow, self.calls, self.kept = grow, 0, []
+
+        def shard(self, *args):
+            return args
+
+        def __call__(self, *args):
+            self.calls += 1
+            if self.calls <= self.grow:
+                self.kept.append(np.ones(64 << 20, np.uint8))
+            return args
+
+    assert 64 << 20 > 4 * STEADY_BYTES
+    args = (np.zeros(1), np.zeros(1), np.zeros(1))
+    a, b = Growing(7), Growing(0)
+    times = _time_steps({"a": (a, args), "b": (b, args)}, reps=3, warmup=2)
+    # 3 calls before the rotation, 4 untimed rounds still growing, 1 steady, 3 timed
+    assert a.calls == b.calls == 3 + 4 + 1 + 3
+    assert set(times) == {"a", "b"} and all(t >= 0 for t in times.values())
