@@ -100,7 +100,7 @@ def _time_steps(runs: dict, reps: int, warmup: int = 2) -> dict:
 
     if jax.process_count() > 1:
         quiet_gloo_loops()  # loop threads opened by the new programs' collectives
-    for rounds in range(1, STEADY_ROUNDS + 1):
+    for _ in range(STEADY_ROUNDS):
         if largest(rotation(False)) <= STEADY_BYTES:
             break
     else:

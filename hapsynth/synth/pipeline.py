@@ -136,7 +136,8 @@ class _Costs:
         per-example bytes scale with its rows, the `fixed` bytes do not."""
         key = (op, island, M)
         if key not in self._micro:
-            cost, fixed = self.graph.ops[op].cost, min(self.fixed[op], self.graph.ops[op].cost.bytes)
+            cost = self.graph.ops[op].cost
+            fixed = min(self.fixed[op], cost.bytes)
             self._micro[key] = max(
                 compute_time(Cost(cost.flops * f / M, cost.transcendentals * f / M,
                                   (cost.bytes - fixed) * f / M + fixed), self.cluster.classes[c])
