@@ -117,11 +117,16 @@ def largest(value: float) -> float:
     return float(np.max(multihost_utils.process_allgather(np.float64(value))))
 
 
-def peak_memory() -> int:
-    """This process's peak resident memory so far, in bytes."""
+def resident_memory() -> int:
+    """This process's resident memory now, in bytes (its peak so far where /proc is not
+    there). With `MALLOC_TUNABLES` the heap is never given back, so it only grows."""
     import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def agreed_plan(make):
