@@ -518,6 +518,25 @@ def test_pipeline_true_on_one_island_says_why():
         hs.parallelize(step, cluster="cpu-2-6", pipeline=True, time_limit=1).plan(*args)
 
 
+def test_a_pipeline_with_one_working_stage_says_it_is_gradient_accumulation():
+    """A pipeline whose other stages hold no ops (the target row's: the V100 stage idle)
+    is gradient accumulation on one island; the summary says so, and names idle stages."""
+    step, args = get("mlp", "tiny")
+    plan = hs.parallelize(step, cluster=two_islands(), pipeline=False, time_limit=1).plan(*args)
+    stage = {"island": "a", "from_rank": 0, "rows": [4, 4], "forward": 1e-3, "backward": 2e-3,
+             "tail": 0.0, "memory": 2**30, "in_flight": 2, "ops": 7}
+    pipe = {"micros": 4, "schedule": "1f1b", "bubble": 0.2, "by_kind": {"1f1b": 1.0}}
+    idle = replace(plan, pipeline=pipe, stages=[
+        stage, {**stage, "island": "b", "from_rank": 9, "ops": 0}])
+    lines = idle.stage_lines()
+    assert lines[-1] == ("  in effect:   gradient accumulation on a in 4 microbatches: "
+                         "no other stage holds an op")
+    assert lines[-2].endswith("holds no ops (its devices idle)")
+    assert not lines[-3].endswith("(its devices idle)")
+    working = replace(idle, stages=[stage, {**stage, "island": "b", "ops": 3}])
+    assert not any("in effect" in x or "holds no ops" in x for x in working.stage_lines())
+
+
 def _three_steps(step, args, cluster, rtol=2e-3, late=False):
     """3 steps of the pipeline found equal `jit`; `late`: with its messages sent a tick
     late (readers a tick later), whatever the planner chose."""

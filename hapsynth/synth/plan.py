@@ -171,7 +171,12 @@ class Plan:
             out.append(f"  stage {k} {st['island']}: from op {st['from_rank']}, rows {st['rows']}, "
                        f"forward {st['forward'] * 1e3:.4g} ms, backward {st['backward'] * 1e3:.4g} ms "
                        f"per microbatch, tail {st['tail'] * 1e3:.4g} ms, "
-                       f"{st['memory'] / 2**30:.2f} GiB, {st['in_flight']} in flight")
+                       f"{st['memory'] / 2**30:.2f} GiB, {st['in_flight']} in flight"
+                       + (", holds no ops (its devices idle)" if st.get("ops", 1) == 0 else ""))
+        working = [st for st in self.stages if st.get("ops", 1)]
+        if len(working) == 1 < len(self.stages):
+            out.append(f"  in effect:   gradient accumulation on {working[0]['island']} in "
+                       f"{p['micros']} microbatches: no other stage holds an op")
         return out
 
     def collectives(self) -> dict:
