@@ -69,7 +69,7 @@ def _time_steps(runs: dict, reps: int, warmup: int = 2) -> dict:
     MLP's pipelined step took 1.5-5.4 s in those, faulting 0.17-0.38 M pages, and 0.53 s
     after them, its heap 9.2 GB (one round of warm-up, as before, timed 1.1 s against
     0.60 s alone). It still grows now and then after a steady round (the MLP's pipelined
-    step, 64-140 MB in 2 of 12 later rounds, 0.86-1.28 s against 0.59-0.70 s), so a
+    step, 50-140 MB in 5 of 12 later rounds, 0.86-1.28 s against 0.59-0.70 s), so a
     timed step during which any process's memory rose is not counted but timed again
     (at most `RETIME` * `reps` timed rounds): a program run alone, as a user runs it,
     does not grow its heap after its first steps."""

@@ -270,7 +270,7 @@ def test_steps_are_timed_once_the_heap_stops_growing():
 
 def test_a_step_that_grows_the_heap_is_timed_again():
     """After a steady round the heap can still grow now and then (the paper MLP's
-    pipelined step, 2 of 12 rounds); such a step is not counted but timed again, so
+    pipelined step, 5 of 12 rounds); such a step is not counted but timed again, so
     that the median is of steps as a program run alone takes them."""
     from hapsynth_bench.hetero import _time_steps
 
