@@ -13,8 +13,8 @@ r times). In one run, per model and speed ratio r:
    rate / r for the slow one;
 2. DP-EV, DP-CP, the synthesized plan and a grid of data-parallel splits (the fast
    device's share of the batch) are lowered and timed alternately, median of `reps`
-   after warm-up (untimed rounds until the heap stops growing); `measured_best` is the
-   best grid point;
+   after warm-up (untimed rounds until the heap stops growing; a step that grew it again
+   is timed again); `measured_best` is the best grid point;
 3. the cost model's prediction (plus the fixed overhead) is printed beside each
    measured time.
 """

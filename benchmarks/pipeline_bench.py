@@ -22,7 +22,7 @@ SPMD-only plan over both devices (`pipeline=False`), the fast device alone (what
 could run instead; two processes do not run a plan on part of their devices, so it is
 run as plain `jax.jit` on process 0's device), and the best pipeline (`pipeline=True`).
 The three are timed alternately (median of `reps`, once untimed rounds no longer grow
-the heap: `hetero._time_steps`); each prediction is
+the heap, a step that grew it again timed again: `hetero._time_steps`); each prediction is
 printed beside its measurement with the same fixed per-step overhead added, and the
 pipeline's speed-up is over the better of the two SPMD-only ones. Every plan, and every
 measurement it is made from, is process 0's (`launch.agreed`): plans made apart on two
