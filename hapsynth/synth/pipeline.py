@@ -151,12 +151,13 @@ class _Costs:
 
 def plan_pipeline(graph: Graph, cluster: Cluster, regions: Regions, layouts, num_state_leaves: int,
                   kinds=SCHEDULES, keep: int = 6, by_links: bool = True,
-                  free_running: bool = False) -> Pipeline | None:
+                  free_running: bool = False, max_cuts: int = 256) -> Pipeline | None:
     """The best pipeline found, or None when the cluster has one island. `by_links=False`
-    shortlists the most balanced cuts only (for comparison). `free_running`: priced with
+    prices the most balanced cuts only (for comparison). `free_running`: priced with
     every stage running its next work as soon as it is ready and every transfer and
     parameter copy under later work, not in the lowering's ticks (for comparison: what
-    the lock step costs; not a program the lowering makes)."""
+    the lock step costs; not a program the lowering makes). `max_cuts`: at most this many
+    cuts are priced beyond the shortlists, those whose bound could beat the best found."""
     if cluster.num_islands < 2:
         return None
     islands, island_of_part = stage_parts(cluster)
@@ -173,6 +174,15 @@ def plan_pipeline(graph: Graph, cluster: Cluster, regions: Regions, layouts, num
     for k in range(S):
         t = np.array([costs.micro(micro_ops[j], k) for j in order_ix])
         prefix.append(np.concatenate([[0.0], np.cumsum(t)]))
+    # a bound on any step with given cuts: a stage's own work, the whole batch at once
+    # (its microbatches cost no less), and its ops after the microbatches (the optimizer);
+    # or a link's bytes (below)
+    own = sorted([(regions.rank[i], i, False) for i in micro_ops if i not in regions.folded]
+                 + [(regions.rank[i], i, True) for i, r in enumerate(regions.region)
+                    if r == "post" and regions.rank[i] >= 0])
+    own_ranks = np.array([x[0] for x in own], np.int64)
+    least = [np.concatenate([[0.0], np.cumsum([costs.whole(i, k) if post else costs.micro(i, k)
+                                               for _, i, post in own])]) for k in range(S)]
 
     combos = np.array(list(itertools.combinations(points, S - 1)), np.int64).reshape(-1, S - 1)
     if len(combos) > 20000:  # many islands and layers: every other cut point
@@ -181,7 +191,10 @@ def plan_pipeline(graph: Graph, cluster: Cluster, regions: Regions, layouts, num
     at = np.searchsorted(sorted_ranks, combos, "left")
     bounds = np.concatenate([np.zeros((len(at), 1), np.int64), at,
                              np.full((len(at), 1), n, np.int64)], axis=1)
-    shortlist, balanced = [], set()
+    at = np.searchsorted(own_ranks, combos, "left")
+    own_bounds = np.concatenate([np.zeros((len(at), 1), np.int64), at,
+                                 np.full((len(at), 1), len(own), np.int64)], axis=1)
+    shortlist, balanced, floors = [], set(), []
     orders = [tuple(p for k in perm for p in range(S) if island_of_part[p] == k)
               for perm in itertools.permutations(range(cluster.num_islands))]
     crossing = _crossing(graph, regions, points)
@@ -189,10 +202,14 @@ def plan_pipeline(graph: Graph, cluster: Cluster, regions: Regions, layouts, num
     for order in orders:
         worst = np.max(np.stack([prefix[order[s]][bounds[:, s + 1]] - prefix[order[s]][bounds[:, s]]
                                  for s in range(S)], axis=1), axis=1)
+        floor = np.max(np.stack([least[order[s]][own_bounds[:, s + 1]]
+                                 - least[order[s]][own_bounds[:, s]] for s in range(S)], axis=1),
+                       axis=1)
         # beside the most balanced cuts, those balanced once the slowest link's transfers
         # are added (a tick waits for what it sends): where little crosses a slow link
         links = np.stack([crossing[where[:, s]] / cluster.link_between(
             islands[order[s]][0], islands[order[s + 1]][0]).beta for s in range(S - 1)], axis=1)
+        floors.append(np.maximum(floor, links.max(axis=1)))  # (a link carries its bytes too)
         picked = dict.fromkeys([*np.argsort(worst, kind="stable")[:keep], *(
             np.argsort(worst + links.max(axis=1), kind="stable")[:keep] if by_links else ())])
         shortlist += [(order, tuple(int(c) for c in combos[k])) for k in picked]
@@ -200,17 +217,39 @@ def plan_pipeline(graph: Graph, cluster: Cluster, regions: Regions, layouts, num
                      for k in np.argsort(worst, kind="stable")[:keep]}
     evaluator = _Evaluator(graph, cluster, regions, num_state_leaves, costs, layouts,
                            free_running)
-    # every cut, order and microbatch count under plain 1F1B; the best few under each
-    # schedule, and the best few of the balanced cuts (where the schedules differ most)
-    first = []
-    for order, cuts in shortlist:
+    # every cut, order and microbatch count under the cheap schedules asked for (plain
+    # 1F1B standing in for hetero-1F1B, which searches its depths); the best few under
+    # each schedule asked for, and the best few of the balanced cuts (where the
+    # schedules differ most)
+    cheap = tuple(k for k in kinds if k in ("1f1b", "gpipe")) or ("1f1b",)
+    first, fit = {k: [] for k in cheap}, [np.inf]
+
+    def try_cut(order, cuts):
         for M in _micro_counts(regions.batch, S, max(len(islands[k]) for k in order)):
-            p = evaluator.price(order, cuts, M, "1f1b")
-            if p is not None:
-                first.append(((not p.fits, p.step), order, cuts, M))
-    first.sort()
-    best = None
-    again = first[:4] + [x for x in first if (x[1], x[2]) in balanced][:4]
+            for kind in cheap:
+                p = evaluator.price(order, cuts, M, kind)
+                if p is not None:
+                    first[kind].append(((not p.fits, p.step), order, cuts, M))
+                    if p.fits:
+                        fit[0] = min(fit[0], p.step)
+
+    for order, cuts in shortlist:
+        try_cut(order, cuts)
+    listed = {k: sorted(v)[:4] for k, v in first.items()}
+    # then, lowest bound first, every other cut whose bound is below the best step that
+    # fits so far: the shortlists judge cuts by balance, and may miss an unbalanced cut
+    # pricing better (where little crosses, or an island adds less than the bubble costs)
+    tried, floor = set(shortlist), np.concatenate(floors)
+    for j in np.argsort(floor, kind="stable")[:max_cuts if by_links else 0]:
+        if floor[j] >= fit[0]:
+            break
+        order, cuts = orders[j // len(combos)], tuple(int(c) for c in combos[j % len(combos)])
+        if (order, cuts) not in tried:
+            try_cut(order, cuts)
+    best, again = None, []
+    for kind, got in first.items():  # (the shortlists' best too: under the other
+        got.sort()                      # schedules they may still price best)
+        again += got[:4] + listed[kind] + [x for x in got if (x[1], x[2]) in balanced][:4]
     for order, cuts, M in dict.fromkeys((o, c, m) for _, o, c, m in again):
         for kind in kinds:
             p = evaluator.price(order, cuts, M, kind)
