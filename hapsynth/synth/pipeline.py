@@ -187,24 +187,14 @@ def plan_pipeline(graph: Graph, cluster: Cluster, regions: Regions, layouts, num
     combos = np.array(list(itertools.combinations(points, S - 1)), np.int64).reshape(-1, S - 1)
     if len(combos) > 20000:  # many islands and layers: every other cut point
         combos = combos[np.all(np.isin(combos, points[::2]), axis=1)]
-    n = len(sorted_ranks)
-    at = np.searchsorted(sorted_ranks, combos, "left")
-    bounds = np.concatenate([np.zeros((len(at), 1), np.int64), at,
-                             np.full((len(at), 1), n, np.int64)], axis=1)
-    at = np.searchsorted(own_ranks, combos, "left")
-    own_bounds = np.concatenate([np.zeros((len(at), 1), np.int64), at,
-                                 np.full((len(at), 1), len(own), np.int64)], axis=1)
+    bounds, own_bounds = _spans(sorted_ranks, combos), _spans(own_ranks, combos)
     shortlist, balanced, floors = [], set(), []
     orders = [tuple(p for k in perm for p in range(S) if island_of_part[p] == k)
               for perm in itertools.permutations(range(cluster.num_islands))]
     crossing = _crossing(graph, regions, points)
     where = np.searchsorted(points, combos)
     for order in orders:
-        worst = np.max(np.stack([prefix[order[s]][bounds[:, s + 1]] - prefix[order[s]][bounds[:, s]]
-                                 for s in range(S)], axis=1), axis=1)
-        floor = np.max(np.stack([least[order[s]][own_bounds[:, s + 1]]
-                                 - least[order[s]][own_bounds[:, s]] for s in range(S)], axis=1),
-                       axis=1)
+        worst, floor = _busiest(prefix, bounds, order), _busiest(least, own_bounds, order)
         # beside the most balanced cuts, those balanced once the slowest link's transfers
         # are added (a tick waits for what it sends): where little crosses a slow link
         links = np.stack([crossing[where[:, s]] / cluster.link_between(
@@ -222,16 +212,17 @@ def plan_pipeline(graph: Graph, cluster: Cluster, regions: Regions, layouts, num
     # each schedule asked for, and the best few of the balanced cuts (where the
     # schedules differ most)
     cheap = tuple(k for k in kinds if k in ("1f1b", "gpipe")) or ("1f1b",)
-    first, fit = {k: [] for k in cheap}, [np.inf]
+    first, fit = {k: [] for k in cheap}, np.inf  # fit: the best step that fits so far
 
     def try_cut(order, cuts):
+        nonlocal fit
         for M in _micro_counts(regions.batch, S, max(len(islands[k]) for k in order)):
             for kind in cheap:
                 p = evaluator.price(order, cuts, M, kind)
                 if p is not None:
                     first[kind].append(((not p.fits, p.step), order, cuts, M))
                     if p.fits:
-                        fit[0] = min(fit[0], p.step)
+                        fit = min(fit, p.step)
 
     for order, cuts in shortlist:
         try_cut(order, cuts)
@@ -241,7 +232,7 @@ def plan_pipeline(graph: Graph, cluster: Cluster, regions: Regions, layouts, num
     # pricing better (where little crosses, or an island adds less than the bubble costs)
     tried, floor = set(shortlist), np.concatenate(floors)
     for j in np.argsort(floor, kind="stable")[:max_cuts if by_links else 0]:
-        if floor[j] >= fit[0]:
+        if floor[j] >= fit:
             break
         order, cuts = orders[j // len(combos)], tuple(int(c) for c in combos[j % len(combos)])
         if (order, cuts) not in tried:
@@ -259,6 +250,21 @@ def plan_pipeline(graph: Graph, cluster: Cluster, regions: Regions, layouts, num
         return None
     by_kind = {k: evaluator.price(best.order, best.cuts, best.micros, k).step for k in SCHEDULES}
     return Pipeline(**{**best.__dict__, "by_kind": by_kind})
+
+
+def _spans(ranks, combos) -> np.ndarray:
+    """Per row of cuts `combos`: the index in sorted `ranks` where each stage starts, and
+    the end."""
+    at = np.searchsorted(ranks, combos, "left")
+    return np.concatenate([np.zeros((len(at), 1), np.int64), at,
+                           np.full((len(at), 1), len(ranks), np.int64)], axis=1)
+
+
+def _busiest(prefix, spans, order) -> np.ndarray:
+    """Per row of `spans`: the largest sum of a stage's costs (`prefix`: per island, the
+    running sum of its ops' costs in rank order), the stage on island `order[s]`."""
+    return np.max(np.stack([prefix[k][spans[:, s + 1]] - prefix[k][spans[:, s]]
+                            for s, k in enumerate(order)], axis=1), axis=1)
 
 
 def _crossing(graph: Graph, regions: Regions, points) -> np.ndarray:
