@@ -931,6 +931,47 @@ def test_sums_apart_put_each_value_in_a_buffer_of_its_own():
         assert back[k].dtype == v.dtype and np.array_equal(back[k], v)
 
 
+def test_bf16_gradients_are_summed_over_microbatches_in_float32():
+    """Mixed precision: each microbatch's bf16 gradients are added into float32 sums (a
+    bf16 running sum rounds at every microbatch, where one step on one device rounds
+    once), summed over the stage's devices in float32, cast back once for the optimizer;
+    the pricing counts those float32 buffers. The step equals `jit` on one device."""
+    from hapsynth.synth.pipeline import _Costs, _Evaluator
+
+    def step(params, x):
+        def loss(p):
+            h = jnp.tanh(x.astype(jnp.bfloat16) @ p["w1"].astype(jnp.bfloat16))
+            return jnp.sum((h @ p["w2"].astype(jnp.bfloat16)).astype(jnp.float32) ** 2)
+        value, g = jax.value_and_grad(loss)(params)
+        return jax.tree.map(lambda p, g: p - 1e-3 * g.astype(jnp.float32), params, g), value
+
+    rng = np.random.default_rng(0)
+    params = {"w1": jnp.asarray(rng.normal(size=(16, 64)), jnp.float32) * 0.3,
+              "w2": jnp.asarray(rng.normal(size=(64, 8)), jnp.float32) * 0.3}
+    args = (params, jnp.asarray(rng.normal(size=(32, 16)), jnp.float32))
+    cluster = two_islands()
+    par = hs.parallelize(step, cluster=cluster, pipeline=True, time_limit=1)
+    plan = par.plan(*args)
+    low = par.lowered(*args)
+    assert plan.pipeline["micros"] > 1
+    made = {str(low.prog.avals[t].dtype) for ps in low.acc_packing.values() for p in ps
+            for t in p.slots}
+    assert "bfloat16" in made  # the backward makes bf16 gradients ...
+    assert {dtype_of(k) for k in low.acc_sizes["B"]} == {"float32"}  # ... summed in f32
+    from test_lowering import compare
+    got, want = par(*args), jax.jit(step)(*args)
+    compare(hs.gather(got), want, rtol=2e-2)
+    graph, dp, r, n = _regions(step, args, cluster)
+    parts, _ = stage_parts(cluster)
+    ev = _Evaluator(graph, cluster, r, n, _Costs(graph, cluster, r, parts, dp.tensor_layouts),
+                    dp.tensor_layouts)
+    order = tuple(next(k for k, d in enumerate(parts) if list(d) == st["devices"])
+                  for st in plan.stages)
+    sums = ev.scan(order, tuple(plan.pipeline["cuts"]))["sums"]
+    assert sums == sum(m * np.dtype(dtype_of(k)).itemsize
+                       for ph in "FB" for k, m in low.acc_sizes[ph].items())
+
+
 def test_the_sums_are_priced_as_the_lowering_allocates_and_adds_them():
     """Each gradient has a buffer of its own (the largest of each stage in the first, and
     so on): the pricing counts the bytes the lowering allocates, and every backward pays

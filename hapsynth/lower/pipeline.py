@@ -54,7 +54,7 @@ from hapsynth.ir.signature import of_program
 from hapsynth.ir.trace import Const, Program
 from hapsynth.lower import cpu
 from hapsynth.lower.packing import Packing, Ref, bundle, dtype_of, pad_to, trim
-from hapsynth.synth.slots import APART_BYTES, B, F, tick_tables, wire_rounds
+from hapsynth.synth.slots import APART_BYTES, B, F, sum_dtype, tick_tables, wire_rounds
 from hapsynth.lower.values import Sharded, Staged, StagedRows, unshard
 from hapsynth.synth.plan import Plan
 from hapsynth.synth.stages import analyse, stage_of
@@ -233,7 +233,8 @@ class Pipelined:
         # its own (gradients), so neither moves the other's buffer
         made_in = {t: "F" if r.forward[i] else "B" for i, e in enumerate(prog.eqns)
                    for t in e.outputs}
-        self.acc_packing = {ph: [Packing([(t, prog.avals[t].shape, prog.avals[t].dtype)
+        # (in float32 where the sums are narrower: `sum_dtype`; cast back once summed)
+        self.acc_packing = {ph: [Packing([(t, prog.avals[t].shape, sum_dtype(prog.avals[t].dtype))
                                           for t in self.acc[s] if made_in[t] == ph], apart=True)
                                  for s in range(self.S)] for ph in "FB"}
         self.acc_sizes = {ph: bundle(ps) for ph, ps in self.acc_packing.items()}
@@ -694,8 +695,9 @@ class Pipelined:
                 where[t] = (s, lv)
         outs = prog.outputs
         final = max([0] + list(level.values())) + 1
-        avail = [{t: v for ph in "FB" for t, v in self.acc_packing[ph][s].unpack(
-            acc[ph], tuple(self.acc_sizes[ph])).items()} for s in range(S)]
+        avail = [{t: v.astype(prog.avals[t].dtype) for ph in "FB"
+                  for t, v in self.acc_packing[ph][s].unpack(
+                      acc[ph], tuple(self.acc_sizes[ph])).items()} for s in range(S)]
         keys = [list(a) for a in avail]
 
         # per stage, its state leaves -> the new values; written into "new" as they are made

@@ -35,8 +35,8 @@ from hapsynth.synth.collectives import all_reduce
 from hapsynth.synth.costmodel import compute_time
 from hapsynth.synth.pipeschedule import PipeSchedule, Slot, schedule
 from hapsynth.synth.plan import Plan
-from hapsynth.synth.slots import (APART_BYTES, packed_bytes, tick_tables, touched_bytes,
-                                  wire_rounds)
+from hapsynth.synth.slots import (APART_BYTES, packed_bytes, sum_bytes, sum_dtype, tick_tables,
+                                  touched_bytes, wire_rounds)
 from hapsynth.synth.stages import Regions, stage_of
 
 __all__ = ["Pipeline", "plan_pipeline", "rows_of", "islands_of"]
@@ -352,7 +352,8 @@ class _Evaluator:
                 if i not in r.folded:
                     (fwd if r.forward[i] else bwd)[s].append(i)
                     nops[s][0 if r.forward[i] else 1] += 1
-                sums[s] += [(r.forward[i], str(g.tensors[o].dtype), g.tensors[o].nbytes)
+                sums[s] += [(r.forward[i], sum_dtype(g.tensors[o].dtype),
+                             sum_bytes(g.tensors[o].dtype, g.tensors[o].nbytes))
                             for o in op.outputs if o in self.partials]
             elif reg == "post":
                 whole[s] += costs.whole(i, order[s])
