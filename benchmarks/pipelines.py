@@ -15,7 +15,9 @@ matters most; the columns before may find a cut where little crosses the slow li
 better still); "free-running" prices hetero-1F1B with every stage running its next
 work as soon as it is ready and every transfer and parameter copy under later work,
 instead of in the lowering's ticks (a tick lasts its longest work and then its longest
-transfer): what the lock step costs, not a plan the library runs; "auto" is what
+transfer): what the lock step costs, not a plan the library runs; "accumulation over
+all" is one stage over every device, data parallel in microbatches (gradient
+accumulation across the islands, a candidate of `pipeline="auto"` too); "auto" is what
 `pipeline="auto"` returns. Rows
 include where pipelines pay (large gradients, slow inter-island links) and where they
 do not (fast links; activations crossing a cut outweighing the gradients).
@@ -109,11 +111,13 @@ def row(name: str, config: str, where, time_limit: float) -> dict:
     def found(p):
         return (p.step, p.micros, len(p.order), p.fits) if p else None
 
-    for kind in SCHEDULES:
+    for kind in SCHEDULES:  # pipelines proper: two stages or more
         out[kind] = found(plan_pipeline(graph, cluster, regions, dp.tensor_layouts, n,
-                                        kinds=(kind,)))
+                                        kinds=(kind,), whole=False))
+    out["whole"] = found(plan_pipeline(graph, cluster, regions, dp.tensor_layouts, n,
+                                       kinds=("1f1b",), whole="only"))
     out["free"] = found(plan_pipeline(graph, cluster, regions, dp.tensor_layouts, n,
-                                      kinds=("hetero-1f1b",), free_running=True))
+                                      kinds=("hetero-1f1b",), free_running=True, whole=False))
     for kind in ("1f1b", "hetero-1f1b"):  # the schedules where stages balance
         p = plan_pipeline(graph, cluster, regions, dp.tensor_layouts, n, kinds=(kind,),
                           by_links=False)
@@ -124,8 +128,8 @@ def row(name: str, config: str, where, time_limit: float) -> dict:
 
 def table(rows) -> str:
     head = ("| model | cluster | SPMD-only | GPipe | 1F1B | hetero-1F1B | hetero vs 1F1B | "
-            "the same, balanced cuts | free-running (vs SPMD) | auto picks | auto vs SPMD | "
-            "ideal | auto at limit |")
+            "the same, balanced cuts | free-running (vs SPMD) | accumulation over all | "
+            "auto picks | auto vs SPMD | ideal | auto at limit |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         def cell(kind):
@@ -139,7 +143,8 @@ def table(rows) -> str:
         one, het = r.get("1f1b"), r.get("hetero-1f1b")
         ratio = (f"{one[0] / het[0]:.2f}x" if one and het and one[3] and het[3]
                  else "n/a (does not fit)" if one and het else "")
-        pick = f"pipeline, {r['stages']} stages" if r["chosen"] == "pipeline" else "SPMD"
+        pick = ("SPMD" if r["chosen"] != "pipeline" else "gradient accumulation over all"
+                if r["stages"] == 1 else f"pipeline, {r['stages']} stages")
         if r.get("idle"):  # microbatches on the other islands alone: gradient accumulation
             pick += f" ({', '.join(r['idle'])} idle)"
         a, b = r.get("balanced 1f1b"), r.get("balanced hetero-1f1b")
@@ -147,7 +152,8 @@ def table(rows) -> str:
             f"{a[0] / b[0]:.2f}x" if a[1] and b[1] else "does not fit")
         free = f"{cell('free')} = {r['spmd'] / r['free'][0]:.2f}x" if r.get("free") else "n/a"
         lines.append(f"| {r['model']} | {r['cluster']} | {r['spmd']:.3f} s | {cell('gpipe')} | "
-                     f"{cell('1f1b')} | {cell('hetero-1f1b')} | {ratio} | {balanced} | {free} | {pick} | "
+                     f"{cell('1f1b')} | {cell('hetero-1f1b')} | {ratio} | {balanced} | {free} | "
+                     f"{cell('whole')} | {pick} | "
                      f"{r['spmd'] / r['auto']:.2f}x | {r['ideal']:.3f} s | "
                      f"{r['ideal'] / r['auto']:.0%} |")
     notes = [f"- {r['model']} on {r['cluster']}: {r.get('error') or r['why']}" for r in rows]

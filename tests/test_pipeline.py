@@ -537,6 +537,75 @@ def test_a_pipeline_with_one_working_stage_says_it_is_gradient_accumulation():
     assert not any("in effect" in x or "holds no ops" in x for x in working.stage_lines())
 
 
+def test_one_stage_over_every_device_is_gradient_accumulation():
+    """Beside pipelines, the search prices one stage over every device: data parallel at
+    FLOP/s-proportional rows in microbatches, the gradients summed over all devices once
+    a step (gradient accumulation across the islands; where links are fast it beats a
+    pipeline's bubble, gpt-medium at 400 Gbps in benchmarks/PIPELINES.md). `whole=True`
+    returns the better of it and the pipelines; lowered, it equals `jit` over 3 steps."""
+    from hapsynth.synth.pipeline import (Pipeline, SCHEDULES, _Costs, _Evaluator, as_plan,
+                                         plan_pipeline, stage_groups)
+    from test_lowering import compare
+    step, args = get("gpt", "tiny")
+    cluster = two_islands("400Gbps")
+    graph, dp, r, n = _regions(step, args, cluster)
+    groups, of = stage_groups(cluster)
+    assert groups[-1] == tuple(range(8)) and of[-1] == -1
+    one = plan_pipeline(graph, cluster, r, dp.tensor_layouts, n, whole="only")
+    many = plan_pipeline(graph, cluster, r, dp.tensor_layouts, n, whole=False)
+    both = plan_pipeline(graph, cluster, r, dp.tensor_layouts, n)
+    assert one.order == (len(groups) - 1,) and one.cuts == () and one.micros > 1
+    assert len(many.order) == 2
+    assert (both.step, both.order) == min((one.step, one.order), (many.step, many.order))
+    ev = _Evaluator(graph, cluster, r, n, _Costs(graph, cluster, r, groups, dp.tensor_layouts),
+                    dp.tensor_layouts)
+    p = ev.price(one.order, (), one.micros, one.kind)
+    assert p.step == pytest.approx(one.step)
+    pipe = Pipeline(**{**p.__dict__, "by_kind": {k: ev.price(p.order, (), p.micros, k).step
+                                                   for k in SCHEDULES}})
+    spmd = hs.parallelize(step, cluster=cluster, pipeline=False, time_limit=1).plan(*args)
+    plan = as_plan(pipe, dp, spmd, cluster)
+    (stage,) = plan.stages
+    assert stage["devices"] == list(range(8)) and stage["island"] == "a+b"
+    assert len(set(stage["rows"])) > 1  # the A100s hold more rows than the V100s
+    assert plan.stage_lines()[-1].startswith(
+        "  in effect:   gradient accumulation over every device (a+b)")
+    assert hs.Plan.from_json(plan.to_json()) == plan
+    assert plan.schedule().makespan == pytest.approx(plan.pipeline["makespan"])
+    par = hs.parallelize(step, cluster=cluster, plan=plan)
+    got = want = args
+    for _ in range(3):
+        want = jax.jit(step)(*want[:2], *args[2:])
+        got = par(*got[:2], *args[2:])
+        compare(hs.gather(got), want, rtol=2e-3)
+
+
+def test_a_stage_is_priced_at_the_whole_rows_its_devices_hold():
+    """Rows are split in whole rows by FLOP/s (`rows_of`): with few rows a device, the
+    A100s of a stage over both islands take all 8 rows of a microbatch and the V100s
+    none, so an A100 is priced at a quarter of them (not at its FLOP/s share, a fifth:
+    that priced gpt-medium's gradient accumulation over both islands at 400 Gbps 18%
+    fast)."""
+    from hapsynth.ir.graph import Cost
+    from hapsynth.synth.costmodel import compute_time
+    from hapsynth.synth.pipeline import _Costs, rows_of, stage_groups
+    step, args = get("gpt", "tiny")
+    cluster = two_islands()
+    graph, dp, r, n = _regions(step, args, cluster)
+    groups, _ = stage_groups(cluster)
+    costs = _Costs(graph, cluster, r, groups, dp.tensor_layouts)
+    whole, M = len(groups) - 1, 2
+    assert rows_of(cluster, groups[whole], r.batch // M) == (2, 2, 2, 2, 0, 0, 0, 0)
+    assert costs.rows_share(whole, M) == {0: 0.25, 1: 0.0}
+    op = max(range(len(graph.ops)), key=lambda i: graph.ops[i].cost.flops
+             if r.region[i] == "micro" else -1)
+    c = graph.ops[op].cost
+    fixed = min(costs.fixed[op], c.bytes)
+    a100 = compute_time(Cost(c.flops * 0.25 / M, c.transcendentals * 0.25 / M,
+                             (c.bytes - fixed) * 0.25 / M + fixed), cluster.classes[0])
+    assert costs.micro(op, whole, M) == pytest.approx(a100)
+
+
 def _three_steps(step, args, cluster, rtol=2e-3, late=False):
     """3 steps of the pipeline found equal `jit`; `late`: with its messages sent a tick
     late (readers a tick later), whatever the planner chose."""

@@ -39,7 +39,7 @@ from hapsynth.synth.slots import (APART_BYTES, packed_bytes, sum_bytes, sum_dtyp
                                   touched_bytes, wire_rounds)
 from hapsynth.synth.stages import Regions, stage_of
 
-__all__ = ["Pipeline", "plan_pipeline", "rows_of", "islands_of"]
+__all__ = ["Pipeline", "plan_pipeline", "rows_of", "islands_of", "stage_parts", "stage_groups"]
 
 SCHEDULES = ("gpipe", "1f1b", "hetero-1f1b")
 
@@ -93,8 +93,21 @@ def stage_parts(cluster: Cluster) -> tuple[list[tuple[int, ...]], list[int]]:
     return parts, of
 
 
+def stage_groups(cluster: Cluster) -> tuple[list[tuple[int, ...]], list[int]]:
+    """`stage_parts`, then (with several islands) every device as one group, of island
+    -1: one stage over the whole cluster, data parallel in microbatches (gradient
+    accumulation across the islands, its sums all-reduced once a step)."""
+    parts, of = stage_parts(cluster)
+    if cluster.num_islands > 1:
+        return [*parts, tuple(d for p in parts for d in p)], [*of, -1]
+    return parts, of
+
+
 def part_name(cluster: Cluster, parts, of, k: int) -> str:
-    """"v100" for a whole island, "p100[2/3]" for the second of three parts."""
+    """"v100" for a whole island, "p100[2/3]" for the second of three parts, "a100+v100"
+    for every device."""
+    if of[k] < 0:
+        return "+".join(i.name for i in cluster.islands) if cluster.islands else "all"
     name = cluster.islands[of[k]].name if cluster.islands else str(of[k])
     n = of.count(of[k])
     return name if n == 1 else f"{name}[{of[:k].count(of[k]) + 1}/{n}]"
@@ -117,6 +130,7 @@ class _Costs:
         self.graph, self.cluster, self.regions = graph, cluster, regions
         self.islands = islands
         self._micro: dict = {}
+        self._rows: dict = {}
         # per op: the bytes of its values without the batch's rows in them (state read,
         # or made from it alone; a weight's gradient, a partial sum), which every
         # microbatch touches whole
@@ -131,6 +145,20 @@ class _Costs:
             classes = sorted({cluster.class_of(d) for d in devs})
             self.share.append({c: cluster.classes[c].flops / total for c in classes})
 
+    def rows_share(self, island: int, M: int) -> dict:
+        """Per device class in the island, the largest share of a microbatch's rows one of
+        its devices holds, in whole rows as the lowering splits them (`rows_of`: with few
+        rows a device, rounding moves a fair part of the work)."""
+        key = (island, M)
+        if key not in self._rows:
+            devs, n = self.islands[island], max(self.regions.batch // M, 1)
+            most: dict = {}
+            for d, r in zip(devs, rows_of(self.cluster, devs, n)):
+                c = self.cluster.class_of(d)
+                most[c] = max(most.get(c, 0), r)
+            self._rows[key] = {c: r / n for c, r in sorted(most.items())}
+        return self._rows[key]
+
     def micro(self, op, island: int, M: int = 1) -> float:
         """Seconds of one microbatch of 1/M of the batch at the island's rows: flops and
         per-example bytes scale with its rows, the `fixed` bytes do not."""
@@ -141,7 +169,7 @@ class _Costs:
             self._micro[key] = max(
                 compute_time(Cost(cost.flops * f / M, cost.transcendentals * f / M,
                                   (cost.bytes - fixed) * f / M + fixed), self.cluster.classes[c])
-                for c, f in self.share[island].items())
+                for c, f in self.rows_share(island, M).items())
         return self._micro[key]
 
     def whole(self, op, island: int) -> float:
@@ -151,9 +179,12 @@ class _Costs:
 
 def plan_pipeline(graph: Graph, cluster: Cluster, regions: Regions, layouts, num_state_leaves: int,
                   kinds=SCHEDULES, keep: int = 6, by_links: bool = True,
-                  free_running: bool = False, max_cuts: int = 256) -> Pipeline | None:
-    """The best pipeline found, or None when the cluster has one island. `by_links=False`
-    prices the most balanced cuts only (for comparison). `free_running`: priced with
+                  free_running: bool = False, max_cuts: int = 256,
+                  whole: bool | str = True) -> Pipeline | None:
+    """The best pipeline found, or None when the cluster has one island. `whole`: one
+    stage over every device (gradient accumulation across the islands) is a candidate
+    too; "only": the best such. `by_links=False` prices the most balanced cuts only (for
+    comparison; no one-stage candidate). `free_running`: priced with
     every stage running its next work as soon as it is ready and every transfer and
     parameter copy under later work, not in the lowering's ticks (for comparison: what
     the lock step costs; not a program the lowering makes). `max_cuts`: at most this many
@@ -162,7 +193,10 @@ def plan_pipeline(graph: Graph, cluster: Cluster, regions: Regions, layouts, num
         return None
     islands, island_of_part = stage_parts(cluster)
     S = len(islands)
-    costs = _Costs(graph, cluster, regions, islands, layouts)
+    costs = _Costs(graph, cluster, regions, stage_groups(cluster)[0], layouts)
+    if whole == "only":
+        return _cheapest(_Evaluator(graph, cluster, regions, num_state_leaves, costs, layouts,
+                                    free_running), _whole_stage(costs, S), kinds)
     micro_ops = [i for i, r in enumerate(regions.region) if r == "micro" and regions.rank[i] >= 0]
     points = regions.cut_points()
     if len(points) < S - 1:
@@ -237,11 +271,28 @@ def plan_pipeline(graph: Graph, cluster: Cluster, regions: Regions, layouts, num
         order, cuts = orders[j // len(combos)], tuple(int(c) for c in combos[j % len(combos)])
         if (order, cuts) not in tried:
             try_cut(order, cuts)
-    best, again = None, []
+    again = []
     for kind, got in first.items():  # (the shortlists' best too: under the other
         got.sort()                      # schedules they may still price best)
         again += got[:4] + listed[kind] + [x for x in got if (x[1], x[2]) in balanced][:4]
-    for order, cuts, M in dict.fromkeys((o, c, m) for _, o, c, m in again):
+    cut = list(dict.fromkeys((o, c, m) for _, o, c, m in again))
+    return _cheapest(evaluator, cut + (_whole_stage(costs, S) if whole and by_links else []),
+                     kinds)
+
+
+def _whole_stage(costs, S: int) -> list:
+    """One stage over every device (gradient accumulation across the islands; where links
+    are fast, the microbatches' memory without a pipeline's bubble or crossings): its
+    (order, cuts, microbatches) to price."""
+    return [((S,), (), m) for m in _micro_counts(costs.regions.batch, 1, len(costs.islands[S]))
+            if m > 1]
+
+
+def _cheapest(evaluator, candidates, kinds) -> Pipeline | None:
+    """The best of (order, cuts, microbatches) `candidates` under `kinds` (one that fits
+    first), with its step under every schedule."""
+    best = None
+    for order, cuts, M in candidates:
         for kind in kinds:
             p = evaluator.price(order, cuts, M, kind)
             if p is not None and (best is None or (not p.fits, p.step) < (not best.fits, best.step)):
@@ -623,7 +674,7 @@ def as_plan(pipe: Pipeline, dp: Plan, spmd: Plan, cluster: Cluster) -> Plan:
 
     M = pipe.micros
     names = [c.name for c in cluster.classes]
-    islands, of = stage_parts(cluster)
+    islands, of = stage_groups(cluster)
     busy_stage = [M * (f + b) + t for f, b, t in zip(pipe.forward, pipe.backward, pipe.tail)]
     work = sum(f + b for f, b in zip(pipe.forward, pipe.backward)) or 1.0
     ratios = dict.fromkeys(names, 0.0)

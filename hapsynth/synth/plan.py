@@ -161,7 +161,8 @@ class Plan:
         vs = ("" if spmd is None or spmd != spmd else
               f"; SPMD-only {spmd:.4g} s ({spmd / self.predicted_step_time:.2f}x)")
         sent = ("during the next tick's work" if p.get("delay") else "after the tick's work")
-        out = [f"  pipeline:    {len(self.stages)} stages, {p['micros']} microbatches, "
+        S = len(self.stages)
+        out = [f"  pipeline:    {S} stage{'s' if S > 1 else ''}, {p['micros']} microbatches, "
                f"{p['schedule']} (bubble {p['bubble']:.0%}; {kinds}){vs}; "
                f"messages cross {sent}"]
         if p.get("unrolled") is not None:
@@ -174,9 +175,13 @@ class Plan:
                        f"{st['memory'] / 2**30:.2f} GiB, {st['in_flight']} in flight"
                        + (", holds no ops (its devices idle)" if st.get("ops", 1) == 0 else ""))
         working = [st for st in self.stages if st.get("ops", 1)]
-        if len(working) == 1 < len(self.stages):
+        if len(working) == 1 < S:
             out.append(f"  in effect:   gradient accumulation on {working[0]['island']} in "
                        f"{p['micros']} microbatches: no other stage holds an op")
+        elif S == 1:
+            out.append(f"  in effect:   gradient accumulation over every device "
+                       f"({self.stages[0]['island']}) in {p['micros']} microbatches, the "
+                       f"gradients all-reduced once a step")
         return out
 
     def collectives(self) -> dict:

@@ -258,14 +258,16 @@ def with_pipeline(graph: Graph, cluster: Cluster, spmd: Plan | None, *, num_stat
                   straight: tuple[Graph, int] | None = None) -> Plan:
     """`pipeline="auto"`: a pipeline across the cluster's islands when it prices `min_gain`
     faster than `spmd` (the best SPMD-only plan; None when none fits) and fits (a pipeline
-    is the more complex program, as data parallelism is kept over a plan barely faster); `True`: the
-    pipeline whatever it prices (an error saying why when there is none). The plan's
+    is the more complex program, as data parallelism is kept over a plan barely faster),
+    or one stage over every device in microbatches (gradient accumulation across the
+    islands) where that prices better still; `True`: the pipeline of two stages or more
+    whatever it prices (an error saying why when there is none). The plan's
     `baselines["SPMD"]` is the SPMD-only time; `solver["pipeline"]` says what was decided.
     `straight`: (graph, state leaves) of the step with its loops written out, where
     stages are cut (the plan then runs that program: `pipeline["unrolled"]`)."""
     from dataclasses import replace
 
-    from hapsynth.synth.pipeline import as_plan, plan_pipeline, stage_parts
+    from hapsynth.synth.pipeline import as_plan, plan_pipeline, stage_groups
     from hapsynth.synth.stages import NotPipelineable, analyse
 
     def keep(why: str) -> Plan:
@@ -292,11 +294,13 @@ def with_pipeline(graph: Graph, cluster: Cluster, spmd: Plan | None, *, num_stat
     except NotPipelineable as e:
         return keep(f"not pipelineable: {e}")
     progress.phase("pipeline")
-    pipe = plan_pipeline(graph, cluster, regions, dp.tensor_layouts, num_state_leaves)
+    # (one stage over every device, gradient accumulation, is no pipeline to ask for)
+    pipe = plan_pipeline(graph, cluster, regions, dp.tensor_layouts, num_state_leaves,
+                         whole=pipeline is not True)
     if pipe is None:
         return keep("no stage cut: too few parameters or microbatches for the islands")
     if not pipe.fits:
-        parts, _ = stage_parts(cluster)
+        parts, _ = stage_groups(cluster)
         small = cluster.classes[min({cluster.class_of(d) for k in pipe.order for d in parts[k]},
                                     key=lambda c: cluster.classes[c].memory)]
         why = (f"the best pipeline found does not fit memory ({pipe.step:.4g} s): every device "
