@@ -10,8 +10,10 @@ on `i < count` (true, but XLA cannot fold it): a conditional is neither hoisted 
 merged, its operands are read where they lie (no copies: the stage-sized state buffers
 of a pipeline's once-per-step rounds made copying them cost more than the repeats), and
 the repeated matmuls stay library calls. The loop carries the last repeat's results out,
-and one element of them, times `flag` (a runtime False), is added to one of the
-segment's results in place, so no repeat is dead code. Counts change without
+and one element of them (less the segment's own), where `flag` (a runtime False), is
+added to one of the segment's results in place, so no repeat is dead code (with `flag`
+set the repeats run on operands one element of which is raised by one, so the results
+change exactly where a repeat ran). Counts change without
 recompiling (`set`), and one `WorkRepeat` may serve several programs on the same
 devices. The repeats sit in a `cond` taken only when the count exceeds one, so a device
 that does not repeat runs its plain segment. Repeats find their operands warm in cache,
@@ -40,8 +42,8 @@ class WorkRepeat:
 
     def set(self, counts, flag: bool = False) -> None:
         """From the next call on, device i runs each segment `counts[i]` times (`flag=True`
-        adds a corner of the last repeat's results to the segment's, which tests use to
-        see the repeats run)."""
+        runs the repeats on operands with one element each raised by one, and adds the
+        difference their results make to the segment's: tests use it to see them run)."""
         r = [int(x) for x in counts]
         if len(r) != self.k or min(r, default=0) < 1:
             raise ValueError(f"work_repeat needs {self.k} integers >= 1, got {counts!r}")
@@ -74,6 +76,13 @@ class WorkRepeat:
             return sum((v.reshape(-1)[0].astype(jnp.float32) for v in vals if numeric(v)),
                        jnp.float32(0))
 
+        def bumped(vals):
+            # (tests only, `flag` set) one element of every numeric operand plus one, so
+            # that a repeat's results differ from the segment's where it really ran
+            return tuple(lax.dynamic_update_slice(v, lax.dynamic_slice(
+                v, (0,) * v.ndim, (1,) * v.ndim) + 1, (0,) * v.ndim) if numeric(v) else v
+                for v in vals)
+
         def repeated(*a):
             # the segment on its operands, as a device that does not repeat runs it, then
             # count - 1 repeats on the same operands, each in a cond whose predicate XLA
@@ -84,15 +93,17 @@ class WorkRepeat:
             out = list(branch(*a))
 
             def again(i, last):
-                return lax.cond(i < count, lambda: tuple(branch(*a)), lambda: last)
+                return lax.cond(i < count, lambda: lax.cond(
+                    flag, lambda: tuple(branch(*bumped(a))), lambda: tuple(branch(*a))),
+                    lambda: last)
 
             last = lax.fori_loop(0, count - 1, again, tuple(out))
             for i, v in enumerate(out):
-                if numeric(v):  # O(1), in place; adds 0 unless the flag is set
-                    at = (0,) * v.ndim
-                    tie = jnp.where(flag, corner(last), 0).astype(v.dtype).reshape((1,) * v.ndim)
+                if numeric(v):  # O(1), in place; adds 0 unless the flag is set and a
+                    at = (0,) * v.ndim  # repeat ran (on bumped operands)
+                    tie = jnp.where(flag, corner(last) - corner(out), 0).astype(v.dtype)
                     out[i] = lax.dynamic_update_slice(v, lax.dynamic_slice(v, at, (1,) * v.ndim)
-                                                      + tie, at)
+                                                      + tie.reshape((1,) * v.ndim), at)
                     break
             return tuple(out)
 

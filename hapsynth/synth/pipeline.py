@@ -2,8 +2,10 @@
 
 A pipeline here is one stage per island or per equal part of one (`stage_parts`), in
 some order of the islands, each stage a contiguous range of ranks (`stages.py`), data
-parallel inside its devices at FLOP/s-proportional rows (uneven
-where the island mixes classes). Priced per microbatch: every stage's forward and
+parallel inside its devices at FLOP/s-proportional whole rows (uneven where the island
+mixes classes; each class priced at the most rows one of its devices holds); or one
+stage over every device (`stage_groups`: gradient accumulation across the islands).
+Priced per microbatch: every stage's forward and
 backward at its rows, each microbatch reading its weights (and writing their gradients)
 whole, and the backward's add of its gradients into the sums, at memory speed; each
 tensor crossing a boundary over the link between the two islands; the schedule
@@ -12,14 +14,15 @@ runs it (`lockstep`: a tick lasts its longest work and then its longest
 transfer each way, one way after the other, or, sending a tick late beside the next
 work where collectives run asynchronously, the longer of the two). Once per step: the
 parameters a stage reads but does not store (tied embeddings) are copied before the
-first tick; after the last tick each stage all-reduces its gradients inside its island,
+first tick; after the last tick each stage all-reduces its gradients over its devices,
 receives the sums other stages made for its parameters, and runs its optimizer. Memory:
 one SPMD program gives every device the same buffers, each sized for the stage needing
 most (state, copies, gradient sums, the keep pool's slots and the mailboxes of the
 tick table, `slots.py`), so every device must hold the largest stage's.
 Cuts are searched where stages balance, with or without the slowest link's transfers
-added; the best (cut, order, microbatches, schedule) is returned with every schedule's
-price at that point for comparison.
+added, then in order of a bound; the best (cut, order, microbatches, schedule) is
+returned with every schedule's price at that point for comparison. Gradient sums are
+held in float32 where the gradients are narrower (`slots.sum_dtype`).
 """
 from __future__ import annotations
 
@@ -52,7 +55,8 @@ OP_OVERHEAD_GPU = 2e-6
 
 @dataclass(frozen=True)
 class Pipeline:
-    """A priced pipeline: `order[s]` the island of stage s, `cuts` the ranks where stages
+    """A priced pipeline: `order[s]` the group of devices of stage s (`stage_groups`: an
+    island, a part of one, or every device), `cuts` the ranks where stages
     2.. start, `micros`, `kind` (schedule), `step` seconds, per-stage details."""
 
     order: tuple[int, ...]
@@ -124,7 +128,7 @@ def rows_of(cluster: Cluster, devices, rows: int) -> tuple[int, ...]:
 
 
 class _Costs:
-    """Per op and island: seconds of one microbatch, per class."""
+    """Per op and group of devices (`stage_groups`): seconds of one microbatch."""
 
     def __init__(self, graph: Graph, cluster: Cluster, regions: Regions, islands, layouts):
         self.graph, self.cluster, self.regions = graph, cluster, regions
@@ -159,18 +163,25 @@ class _Costs:
             self._rows[key] = {c: r / n for c, r in sorted(most.items())}
         return self._rows[key]
 
+    def least(self, op, island: int) -> float:
+        """Seconds of the op on the island, the whole batch at once at FLOP/s shares of its
+        rows (no rounding: below its price at any microbatch count, a bound)."""
+        return self._at(op, self.share[island], 1)
+
     def micro(self, op, island: int, M: int = 1) -> float:
         """Seconds of one microbatch of 1/M of the batch at the island's rows: flops and
         per-example bytes scale with its rows, the `fixed` bytes do not."""
         key = (op, island, M)
         if key not in self._micro:
-            cost = self.graph.ops[op].cost
-            fixed = min(self.fixed[op], cost.bytes)
-            self._micro[key] = max(
-                compute_time(Cost(cost.flops * f / M, cost.transcendentals * f / M,
-                                  (cost.bytes - fixed) * f / M + fixed), self.cluster.classes[c])
-                for c, f in self.rows_share(island, M).items())
+            self._micro[key] = self._at(op, self.rows_share(island, M), M)
         return self._micro[key]
+
+    def _at(self, op, share: dict, M: int) -> float:
+        cost = self.graph.ops[op].cost
+        fixed = min(self.fixed[op], cost.bytes)
+        return max(compute_time(Cost(cost.flops * f / M, cost.transcendentals * f / M,
+                                     (cost.bytes - fixed) * f / M + fixed), self.cluster.classes[c])
+                   for c, f in share.items())
 
     def whole(self, op, island: int) -> float:
         return max(compute_time(self.graph.ops[op].cost, self.cluster.classes[c])
@@ -183,8 +194,8 @@ def plan_pipeline(graph: Graph, cluster: Cluster, regions: Regions, layouts, num
                   whole: bool | str = True) -> Pipeline | None:
     """The best pipeline found, or None when the cluster has one island. `whole`: one
     stage over every device (gradient accumulation across the islands) is a candidate
-    too; "only": the best such. `by_links=False` prices the most balanced cuts only (for
-    comparison; no one-stage candidate). `free_running`: priced with
+    too; "only": the best such (whatever `by_links`). `by_links=False` prices the most
+    balanced cuts only (for comparison; no one-stage candidate). `free_running`: priced with
     every stage running its next work as soon as it is ready and every transfer and
     parameter copy under later work, not in the lowering's ticks (for comparison: what
     the lock step costs; not a program the lowering makes). `max_cuts`: at most this many
@@ -200,7 +211,8 @@ def plan_pipeline(graph: Graph, cluster: Cluster, regions: Regions, layouts, num
     micro_ops = [i for i, r in enumerate(regions.region) if r == "micro" and regions.rank[i] >= 0]
     points = regions.cut_points()
     if len(points) < S - 1:
-        return None
+        return _cheapest(_Evaluator(graph, cluster, regions, num_state_leaves, costs, layouts,
+                                    free_running), _whole_stage(costs, S) if whole else [], kinds)
     ranks = np.array([regions.rank[i] for i in micro_ops])
     order_ix = np.argsort(ranks, kind="stable")
     sorted_ranks = ranks[order_ix]
@@ -215,7 +227,7 @@ def plan_pipeline(graph: Graph, cluster: Cluster, regions: Regions, layouts, num
                  + [(regions.rank[i], i, True) for i, r in enumerate(regions.region)
                     if r == "post" and regions.rank[i] >= 0])
     own_ranks = np.array([x[0] for x in own], np.int64)
-    least = [np.concatenate([[0.0], np.cumsum([costs.whole(i, k) if post else costs.micro(i, k)
+    least = [np.concatenate([[0.0], np.cumsum([costs.whole(i, k) if post else costs.least(i, k)
                                                for _, i, post in own])]) for k in range(S)]
 
     combos = np.array(list(itertools.combinations(points, S - 1)), np.int64).reshape(-1, S - 1)
@@ -347,8 +359,8 @@ def _crossing(graph: Graph, regions: Regions, points) -> np.ndarray:
 
 
 def _micro_counts(batch: int, S: int, devices: int) -> list[int]:
-    """Microbatch counts: divisors of the batch from S up, each microbatch giving every
-    device of a stage a row."""
+    """Microbatch counts: divisors of the batch from S up, each microbatch having a row per
+    device of a stage (split by FLOP/s, a slow device's share may round to none)."""
     return [m for m in range(S, min(batch, 8 * S) + 1) if batch % m == 0 and batch // m >= devices]
 
 
@@ -682,11 +694,10 @@ def as_plan(pipe: Pipeline, dp: Plan, spmd: Plan, cluster: Cluster) -> Plan:
     need = dict.fromkeys(names, 0)
     for s, k in enumerate(pipe.order):  # a class may hold parts of several stages
         devs = islands[k]
-        total = sum(cluster.device_class(d).flops for d in devs)
-        for d in devs:
+        for d, rows in zip(devs, pipe.rows[s]):  # the rows it holds, whole
             n = cluster.classes[cluster.class_of(d)].name
             ratios[n] += float((pipe.forward[s] + pipe.backward[s]) / work
-                               * cluster.device_class(d).flops / total)
+                               * rows / max(sum(pipe.rows[s]), 1))
             busy[n] = max(busy[n], float(busy_stage[s]))
             need[n] = max(need[n], int(pipe.memory[s]))
     stages = []

@@ -27,22 +27,27 @@ __all__ = ["IDLE", "F", "B", "TickTables", "tick_tables", "keep_pool", "packed_b
 IDLE, F, B = 0, 1, 2
 PHASE = {"F": F, "B": B}
 
-#: Floating dtypes narrower than float32 (numpy knows no bfloat16): bytes per element.
-NARROW_FLOATS = {"bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
-                 "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1, "float8_e4m3b11fnuz": 1}
+def _narrow_float(dtype) -> int:
+    """Bytes per element of a floating dtype narrower than float32 (bf16, f16, the float8s
+    and the like, as `ml_dtypes` registers them with numpy), else 0."""
+    name = str(dtype)
+    if not (name in ("bfloat16", "float16") or name.startswith(("float8_", "float6_", "float4_"))):
+        return 0
+    import ml_dtypes  # noqa: F401  (registers the names with numpy)
+    return np.dtype(name).itemsize
 
 
 def sum_dtype(dtype) -> str:
     """The dtype a partial sum (a gradient, a loss) is added up in over microbatches:
     float32 for narrower floats, as mixed-precision training accumulates gradients (a
     bf16 running sum rounds at every microbatch; one step on one device rounds once)."""
-    name = str(dtype)
-    return "float32" if name in NARROW_FLOATS else name
+    return "float32" if _narrow_float(dtype) else str(dtype)
 
 
 def sum_bytes(dtype, nbytes: float) -> float:
     """The bytes of a partial sum of `nbytes` in `dtype` once in its `sum_dtype`."""
-    return nbytes * 4 / NARROW_FLOATS[str(dtype)] if str(dtype) in NARROW_FLOATS else nbytes
+    size = _narrow_float(dtype)
+    return nbytes * 4 / size if size else nbytes
 
 
 @dataclass(frozen=True)

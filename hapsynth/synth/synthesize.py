@@ -318,6 +318,7 @@ def with_pipeline(graph: Graph, cluster: Cluster, spmd: Plan | None, *, num_stat
     plan = as_plan(pipe, dp, spmd, cluster)
     if straight is not None:  # the program `ir.unroll` makes of the step's first leaves
         plan = replace(plan, pipeline={**plan.pipeline, "unrolled": written_out})
+    what = "pipelined" if len(pipe.order) > 1 else "gradient accumulation over every device"
     return replace(plan, solver={**plan.solver, "pipeline": (
-        f"pipelined: {pipe.step:.4g} s ({pipe.kind}, {pipe.micros} microbatches) vs SPMD-only "
+        f"{what}: {pipe.step:.4g} s ({pipe.kind}, {pipe.micros} microbatches) vs SPMD-only "
         f"{spmd.predicted_step_time:.4g} s")})
