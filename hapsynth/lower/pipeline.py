@@ -20,9 +20,10 @@ kind of work takes, the pool its one operand: a second reference, a closure read
 made XLA copy it whole every tick); mailboxes are written outside the switch, one slot
 a tick (`_store`); XLA copies neither per tick. Per microbatch a stage runs its forward ops (or
 its backward ops) at its rows and adds its partial sums (gradients, loss) into
-accumulators (float32 for narrower floats, cast back once summed: `slots.sum_dtype`); after the last tick these are summed over the stage's devices (`psum`
-on "data") and the stages run their remaining ops once (the optimizer), in rounds where
-a value made on one stage is read on another (a global norm, a tied embedding's
+accumulators (float32 for narrower floats, cast back once summed: `slots.sum_dtype`);
+after the last tick these are summed over the stage's devices (`psum` on "data") and
+the stages run their remaining ops once (the optimizer), in rounds where a value made
+on one stage is read on another (a global norm, a tied embedding's
 gradient); each new state leaf is written over its place in the stage's buffer as soon
 as it is made (`Packing.pack(into=)`: a concatenation padded to the largest stage ran far
 below memory speed on XLA CPU). The backward's sums are the operands of a cond of

@@ -205,14 +205,13 @@ def plan_pipeline(graph: Graph, cluster: Cluster, regions: Regions, layouts, num
     islands, island_of_part = stage_parts(cluster)
     S = len(islands)
     costs = _Costs(graph, cluster, regions, stage_groups(cluster)[0], layouts)
-    if whole == "only":
-        return _cheapest(_Evaluator(graph, cluster, regions, num_state_leaves, costs, layouts,
-                                    free_running), _whole_stage(costs, S), kinds)
+    evaluator = _Evaluator(graph, cluster, regions, num_state_leaves, costs, layouts,
+                           free_running)
+    one_stage = _whole_stage(costs, S) if whole == "only" or whole and by_links else []
     micro_ops = [i for i, r in enumerate(regions.region) if r == "micro" and regions.rank[i] >= 0]
     points = regions.cut_points()
-    if len(points) < S - 1:
-        return _cheapest(_Evaluator(graph, cluster, regions, num_state_leaves, costs, layouts,
-                                    free_running), _whole_stage(costs, S) if whole else [], kinds)
+    if whole == "only" or len(points) < S - 1:
+        return _cheapest(evaluator, one_stage, kinds)
     ranks = np.array([regions.rank[i] for i in micro_ops])
     order_ix = np.argsort(ranks, kind="stable")
     sorted_ranks = ranks[order_ix]
@@ -251,8 +250,6 @@ def plan_pipeline(graph: Graph, cluster: Cluster, regions: Regions, layouts, num
         shortlist += [(order, tuple(int(c) for c in combos[k])) for k in picked]
         balanced |= {(order, tuple(int(c) for c in combos[k]))
                      for k in np.argsort(worst, kind="stable")[:keep]}
-    evaluator = _Evaluator(graph, cluster, regions, num_state_leaves, costs, layouts,
-                           free_running)
     # every cut, order and microbatch count under the cheap schedules asked for (plain
     # 1F1B standing in for hetero-1F1B, which searches its depths); the best few under
     # each schedule asked for, and the best few of the balanced cuts (where the
@@ -288,8 +285,7 @@ def plan_pipeline(graph: Graph, cluster: Cluster, regions: Regions, layouts, num
         got.sort()                      # schedules they may still price best)
         again += got[:4] + listed[kind] + [x for x in got if (x[1], x[2]) in balanced][:4]
     cut = list(dict.fromkeys((o, c, m) for _, o, c, m in again))
-    return _cheapest(evaluator, cut + (_whole_stage(costs, S) if whole and by_links else []),
-                     kinds)
+    return _cheapest(evaluator, cut + one_stage, kinds)
 
 
 def _whole_stage(costs, S: int) -> list:

@@ -16,6 +16,7 @@ table entry equal to the number of slots means none (nothing to read or store).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,10 +28,11 @@ __all__ = ["IDLE", "F", "B", "TickTables", "tick_tables", "keep_pool", "packed_b
 IDLE, F, B = 0, 1, 2
 PHASE = {"F": F, "B": B}
 
-def _narrow_float(dtype) -> int:
+
+@functools.lru_cache(maxsize=None)
+def _narrow_float(name: str) -> int:
     """Bytes per element of a floating dtype narrower than float32 (bf16, f16, the float8s
     and the like, as `ml_dtypes` registers them with numpy), else 0."""
-    name = str(dtype)
     if not (name in ("bfloat16", "float16") or name.startswith(("float8_", "float6_", "float4_"))):
         return 0
     import ml_dtypes  # noqa: F401  (registers the names with numpy)
@@ -41,12 +43,12 @@ def sum_dtype(dtype) -> str:
     """The dtype a partial sum (a gradient, a loss) is added up in over microbatches:
     float32 for narrower floats, as mixed-precision training accumulates gradients (a
     bf16 running sum rounds at every microbatch; one step on one device rounds once)."""
-    return "float32" if _narrow_float(dtype) else str(dtype)
+    return "float32" if _narrow_float(str(dtype)) else str(dtype)
 
 
 def sum_bytes(dtype, nbytes: float) -> float:
     """The bytes of a partial sum of `nbytes` in `dtype` once in its `sum_dtype`."""
-    size = _narrow_float(dtype)
+    size = _narrow_float(str(dtype))
     return nbytes * 4 / size if size else nbytes
 
 
