@@ -17,7 +17,10 @@ work as soon as it is ready and every transfer and parameter copy under later wo
 instead of in the lowering's ticks (a tick lasts its longest work and then its longest
 transfer): what the lock step costs, not a plan the library runs; "accumulation over
 all" is one stage over every device, data parallel in microbatches (gradient
-accumulation across the islands, a candidate of `pipeline="auto"` too); "auto" is what
+accumulation across the islands, a candidate of `pipeline="auto"` too); "V-shaped" is a
+what-if the library does not lower yet (`synth.pipeline.plan_vshape`): the first and
+last stages on one island, the middle on another (a tied embedding's ends on one
+island), priced in lock step and free-running; "auto" is what
 `pipeline="auto"` returns. Rows
 include where pipelines pay (large gradients, slow inter-island links) and where they
 do not (fast links; activations crossing a cut outweighing the gradients).
@@ -45,7 +48,7 @@ from hapsynth.api import state_arity  # noqa: E402
 from hapsynth.ir import lift_program, trace  # noqa: E402
 from hapsynth.ir.unroll import state_inputs, unroll, unrollable  # noqa: E402
 from hapsynth.models import ZOO, get  # noqa: E402
-from hapsynth.synth.pipeline import SCHEDULES, plan_pipeline  # noqa: E402
+from hapsynth.synth.pipeline import SCHEDULES, plan_pipeline, plan_vshape  # noqa: E402
 from hapsynth.synth.stages import NotPipelineable, analyse  # noqa: E402
 from hapsynth.synth.synthesize import data_parallel_plan  # noqa: E402
 
@@ -118,6 +121,9 @@ def row(name: str, config: str, where, time_limit: float) -> dict:
                                        kinds=("1f1b",), whole="only"))
     out["free"] = found(plan_pipeline(graph, cluster, regions, dp.tensor_layouts, n,
                                       kinds=("hetero-1f1b",), free_running=True, whole=False))
+    out["vee"] = found(plan_vshape(graph, cluster, regions, dp.tensor_layouts, n))
+    out["vee free"] = found(plan_vshape(graph, cluster, regions, dp.tensor_layouts, n,
+                                        kinds=("hetero-1f1b",), free_running=True))
     for kind in ("1f1b", "hetero-1f1b"):  # the schedules where stages balance
         p = plan_pipeline(graph, cluster, regions, dp.tensor_layouts, n, kinds=(kind,),
                           by_links=False)
@@ -129,7 +135,7 @@ def row(name: str, config: str, where, time_limit: float) -> dict:
 def table(rows) -> str:
     head = ("| model | cluster | SPMD-only | GPipe | 1F1B | hetero-1F1B | hetero vs 1F1B | "
             "the same, balanced cuts | free-running (vs SPMD) | accumulation over all | "
-            "auto picks | auto vs SPMD | ideal | auto at limit |")
+            "V-shaped, what-if: lock step / free-running (vs SPMD) | auto picks | auto vs SPMD | ideal | auto at limit |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         def cell(kind):
@@ -151,9 +157,11 @@ def table(rows) -> str:
         balanced = "" if not (a and b) else f"{a[0]:.3f} / {b[0]:.3f} s = " + (
             f"{a[0] / b[0]:.2f}x" if a[1] and b[1] else "does not fit")
         free = f"{cell('free')} = {r['spmd'] / r['free'][0]:.2f}x" if r.get("free") else "n/a"
+        vee = f"{cell('vee')} / {cell('vee free')}" + (
+            f" = {r['spmd'] / r['vee free'][0]:.2f}x" if r.get("vee free") else "")
         lines.append(f"| {r['model']} | {r['cluster']} | {r['spmd']:.3f} s | {cell('gpipe')} | "
                      f"{cell('1f1b')} | {cell('hetero-1f1b')} | {ratio} | {balanced} | {free} | "
-                     f"{cell('whole')} | {pick} | "
+                     f"{cell('whole')} | {vee} | {pick} | "
                      f"{r['spmd'] / r['auto']:.2f}x | {r['ideal']:.3f} s | "
                      f"{r['ideal'] / r['auto']:.0%} |")
     notes = [f"- {r['model']} on {r['cluster']}: {r.get('error') or r['why']}" for r in rows]

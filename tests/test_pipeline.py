@@ -1344,3 +1344,58 @@ def test_the_search_finds_the_best_cut_under_its_own_prices(fast, slow, kind):
                 if p is not None:
                     every.append((not p.fits, p.step))
     assert found.fits and (False, found.step) == min(every)
+
+
+def test_a_v_shaped_pipeline_is_priced_with_its_ends_on_one_island():
+    """A what-if (`plan_vshape`, not lowered): the first and last stages on one island, the
+    middle on the other. The tied embedding's two ends then share devices, so nothing of
+    it crosses (the straight pipeline copies it over the link first); the island running
+    two stages runs one work a tick; its once-per-step rounds add up. The search finds the
+    best V under its own prices."""
+    import itertools
+
+    from hapsynth.synth import pipeline as P
+    from hapsynth.synth.slots import APART_BYTES, packed_bytes
+
+    cluster = two_islands()
+    step, args = get("gpt", "tiny")
+    graph, dp, regions, n = _regions(step, args, cluster)
+    found = P.plan_vshape(graph, cluster, regions, dp.tensor_layouts, n, kinds=("1f1b",),
+                          keep=10**6)
+    parts, _ = P.stage_parts(cluster)
+    costs = P._Costs(graph, cluster, regions, P.stage_groups(cluster)[0], dp.tensor_layouts)
+    ev = P._Evaluator(graph, cluster, regions, n, costs, dp.tensor_layouts)
+    every = []
+    for o, v in itertools.permutations(range(len(parts)), 2):
+        for cuts in itertools.combinations(regions.cut_points(), 2):
+            for M in P._micro_counts(regions.batch, 2, len(parts[o])):
+                p = ev.price((o, v, o), tuple(int(c) for c in cuts), M, "1f1b")
+                every.append((not p.fits, p.step))
+    assert (not found.fits, found.step) == min(every)
+    o, v = found.order[:2]
+    assert found.order == (o, v, o) and found.place == (0, 1, 0)
+    rounds = max(found.tail[0] + found.tail[2], found.tail[1])
+    assert found.step == pytest.approx(found.head + found.schedule.makespan + rounds)
+    # the lookup on the first stage, the head on the last: on one island in a V
+    points = regions.cut_points()
+    vee = ev.price((0, 1, 0), (int(points[1]), int(points[-2])), 2, "1f1b")
+    straight = ev.price((0, 1), (int(points[1]),), 2, "1f1b")
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args[:2])[0]]
+    tok = graph.tensors[graph.inputs[next(i for i, p in enumerate(paths) if "tok" in p)]].nbytes
+    link = cluster.link_between(parts[0][0], parts[1][0])
+    # the straight pipeline copies the embedding to the head's island before the first
+    # tick; the V copies only what its middle stage reads (the optimizer's step count)
+    assert min(vee.ops) > 0 and straight.head >= tok / link.beta
+    assert vee.head == pytest.approx(link.alpha + 4 / link.beta)
+    # the island running two stages runs them one after another, and holds both's state
+    assert vee.schedule.place == (0, 1, 0)
+    assert vee.schedule.makespan >= vee.micros * (vee.forward[0] + vee.backward[0]
+                                                  + vee.forward[2] + vee.backward[2])
+    held = ev.scan((0, 1, 0), vee.cuts)["held"]
+    assert vee.memory[0] >= packed_bytes([held[0] + held[2], held[1]], APART_BYTES)
+    with pytest.raises(ValueError, match="what-if"):
+        P.as_plan(vee, dp, dp, cluster)
+    rows = ticks(vee.schedule)
+    for t in {r[0] for r in rows}:
+        groups = [vee.schedule.group(s) for tt, s, _, _ in rows if tt == t]
+        assert len(groups) == len(set(groups))  # a group runs one work a tick

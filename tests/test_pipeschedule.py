@@ -22,8 +22,8 @@ def _check_dependencies(sched, fwd, bwd, send, send_back):
             assert slot.start >= at[(s, m, "F")].end - 1e-9
             if s < S - 1:
                 assert slot.start >= at[(s + 1, m, "B")].end + send_back[s] - 1e-9
-    for s in range(S):
-        lane = sorted((x for x in sched.slots if x.stage == s), key=lambda x: x.start)
+    for g in {sched.group(s) for s in range(S)}:  # a group of devices: one work at a time
+        lane = sorted((x for x in sched.slots if sched.group(x.stage) == g), key=lambda x: x.start)
         assert all(a.end <= b.start + 1e-9 for a, b in zip(lane, lane[1:]))
     assert sched.makespan == max(x.end for x in sched.slots)
 
@@ -109,3 +109,27 @@ def test_what_crossed_before_the_first_microbatch_delays_its_stage_and_link(kind
     # stage 1's first activation leaves once the link is free: 5.0 + 0.5 s on the way
     assert first(late, 2) >= 5.0 + 0.5 - 1e-9
     assert late.makespan > plain.makespan
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_stages_on_one_group_of_devices_run_one_work_at_a_time(kind):
+    """`place`: a V shape (stages 0 and 2 on one group) keeps every dependency and runs its
+    group's works one after another; each stage on a group of its own is the plain
+    schedule; two stages on one group take the sum of their work; a V's two boundaries
+    using one direction of a link take turns on it."""
+    fwd, bwd = [2.0, 1.0, 2.0], [4.0, 2.0, 4.0]
+    send, back = [0.4, 0.4], [0.4, 0.4]
+    v = schedule(kind, fwd, bwd, 5, send, back, place=(0, 1, 0))
+    assert v.place == (0, 1, 0) and v.groups == 2
+    _check_dependencies(v, fwd, bwd, send, back)
+    plain = schedule(kind, fwd, bwd, 5, send, back)
+    assert schedule(kind, fwd, bwd, 5, send, back, place=(2, 0, 1)).slots == plain.slots
+    # group 0 runs stages 0 and 2 one after another: at least 5 x 12 s, more than when apart
+    assert v.makespan >= 5 * 12.0 - 1e-9 > plain.makespan
+    one = schedule(kind, [1.0, 2.0], [2.0, 4.0], 3, place=(0, 0))
+    assert one.makespan == pytest.approx(3 * (1.0 + 2.0 + 2.0 + 4.0)) and one.bubble() == 0
+    # group 0 -> 1 carries stage 0's activations and stage 2's cotangents: 2 x 5 x 3 s
+    wire = schedule(kind, [0.1] * 3, [0.1] * 3, 5, [3.0, 3.0], [3.0, 3.0], place=(0, 1, 0))
+    assert wire.makespan >= 2 * 5 * 3.0
+    with pytest.raises(ValueError, match="place"):
+        schedule(kind, fwd, bwd, 5, send, back, place=(0, 2, 0))

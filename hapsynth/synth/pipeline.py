@@ -22,10 +22,13 @@ tick table, `slots.py`), so every device must hold the largest stage's.
 Cuts are searched where stages balance, with or without the slowest link's transfers
 added, then in order of a bound; the best (cut, order, microbatches, schedule) is
 returned with every schedule's price at that point for comparison. Gradient sums are
-held in float32 where the gradients are narrower (`slots.sum_dtype`).
+held in float32 where the gradients are narrower (`slots.sum_dtype`). A what-if the
+lowering does not run yet (`plan_vshape`): a V shape, the first and last stages on one
+group of devices (running one work at a time) and the middle on another.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -42,7 +45,8 @@ from hapsynth.synth.slots import (APART_BYTES, packed_bytes, sum_bytes, sum_dtyp
                                   touched_bytes, wire_rounds)
 from hapsynth.synth.stages import Regions, stage_of
 
-__all__ = ["Pipeline", "plan_pipeline", "rows_of", "islands_of", "stage_parts", "stage_groups"]
+__all__ = ["Pipeline", "plan_pipeline", "plan_vshape", "rows_of", "islands_of", "stage_parts",
+           "stage_groups"]
 
 SCHEDULES = ("gpipe", "1f1b", "hetero-1f1b")
 
@@ -77,6 +81,7 @@ class Pipeline:
     by_kind: dict = field(default_factory=dict)  # schedule kind -> step at this point
     delay: int = 0                   # ticks between making a message and sending it (`lockstep`)
     ops: tuple[int, ...] = ()        # per stage: the ops it runs per microbatch (0: idle)
+    place: tuple[int, ...] = ()      # per stage: its group of devices where groups repeat
 
 
 def islands_of(cluster: Cluster) -> list[tuple[int, ...]]:
@@ -288,6 +293,54 @@ def plan_pipeline(graph: Graph, cluster: Cluster, regions: Regions, layouts, num
     return _cheapest(evaluator, cut + one_stage, kinds)
 
 
+def plan_vshape(graph: Graph, cluster: Cluster, regions: Regions, layouts,
+                num_state_leaves: int, kinds=SCHEDULES, keep: int = 200,
+                free_running: bool = False) -> Pipeline | None:
+    """A what-if, not yet lowered: the best V-shaped pipeline found, its first and last
+    stages on one group of devices (`stage_parts`) and the middle stage on another, so
+    that a model's two ends (a tied embedding's lookup and head) sit on one island and
+    nothing of them crosses. Priced as `plan_pipeline` prices (the group of two stages
+    runs one work at a time); per group pair and microbatch count, the `keep` cuts of the
+    least of a rough measure (the busiest group's work, or both cuts' bytes over the link)
+    are priced under plain 1F1B, and the best dozen under `kinds`. None where no two
+    islands exist."""
+    parts, island = stage_parts(cluster)
+    if cluster.num_islands < 2:
+        return None
+    costs = _Costs(graph, cluster, regions, stage_groups(cluster)[0], layouts)
+    evaluator = _Evaluator(graph, cluster, regions, num_state_leaves, costs, layouts,
+                           free_running)
+    micro_ops = [i for i, r in enumerate(regions.region) if r == "micro" and regions.rank[i] >= 0]
+    ranks = np.array([regions.rank[i] for i in micro_ops])
+    ix = np.argsort(ranks, kind="stable")
+    points = regions.cut_points()
+    combos = np.array(list(itertools.combinations(points, 2)), np.int64).reshape(-1, 2)
+    spans = _spans(ranks[ix], combos)
+    # each direction of the link carries both boundaries' bytes (one forward, one back)
+    crossing = _crossing(graph, regions, points)[np.searchsorted(points, combos)].sum(axis=1)
+    first = []  # every cut's price under plain 1F1B; the best few under every schedule
+
+    @functools.lru_cache(maxsize=None)
+    def prefix(k, M):  # per rank order, the running sum of the ops' seconds on group k
+        return np.concatenate([[0.0], np.cumsum([costs.micro(micro_ops[j], k, M) for j in ix])])
+
+    for o, v in itertools.permutations(range(len(parts)), 2):
+        if island[o] == island[v]:
+            continue
+        beta = cluster.link_between(parts[o][0], parts[v][0]).beta
+        for M in _micro_counts(regions.batch, 2, max(len(parts[o]), len(parts[v]))):
+            pre = {k: prefix(k, M) for k in (o, v)}
+            outer = (pre[o][spans[:, 1]] - pre[o][spans[:, 0]]
+                     + pre[o][spans[:, 3]] - pre[o][spans[:, 2]])
+            busiest = np.maximum(outer, pre[v][spans[:, 2]] - pre[v][spans[:, 1]]) * M
+            for k in np.argsort(np.maximum(busiest, crossing / beta), kind="stable")[:keep]:
+                cuts = tuple(int(c) for c in combos[k])
+                p = evaluator.price((o, v, o), cuts, M, "1f1b")
+                if p is not None:
+                    first.append(((not p.fits, p.step), (o, v, o), cuts, M))
+    return _cheapest(evaluator, [x[1:] for x in sorted(first)[:12]], kinds)
+
+
 def _whole_stage(costs, S: int) -> list:
     """One stage over every device (gradient accumulation across the islands; where links
     are fast, the microbatches' memory without a pipeline's bubble or crossings): its
@@ -450,7 +503,7 @@ class _Evaluator:
             held[o].append(("state", str(t.dtype), t.nbytes))
         out = dict(owner=owner, fwd=fwd, bwd=bwd, whole=whole, send=send, once=once, acc=acc,
                    resid=resid, needs=needs, nops=nops, sums=packed_bytes(sums),
-                   state=packed_bytes(held, APART_BYTES),
+                   state=packed_bytes(held, APART_BYTES), held=held, sum_items=sums,
                    added=touched_bytes([[x for x in mine if not x[0]] for mine in sums]))
         self._scans[key] = out
         return out
@@ -465,9 +518,16 @@ class _Evaluator:
         return self._works[key]
 
     def price(self, order, cuts, M, kind) -> Pipeline | None:
+        """`order` may name a group twice (a V shape: stages on one group run one work at a
+        time, and nothing crosses between them); the planner's orders do not, and the
+        lowering runs none that does (`Pipeline.place` says so)."""
         r, cluster, costs = self.r, self.cluster, self.costs
         S = len(order)
         islands = [costs.islands[k] for k in order]
+        gid = {k: i for i, k in enumerate(dict.fromkeys(order))}
+        place = tuple(gid[k] for k in order) if len(gid) < S else ()
+        if any(order[s] == order[s + 1] for s in range(S - 1)):
+            raise ValueError(f"stages {order} next to each other on one group: one stage")
         sc = self.scan(order, cuts)
         owner, whole, once, acc, needs = (sc[k] for k in ("owner", "whole", "once", "acc", "needs"))
         g = self.g
@@ -488,11 +548,16 @@ class _Evaluator:
             return cluster.link_between(islands[a][0], islands[b][0])
 
         def seconds(a, b, nbytes, scale=1):
-            return 0.0 if nbytes <= 0 else link(a, b).alpha + scale * nbytes / link(a, b).beta
+            if nbytes <= 0 or order[a] == order[b]:  # (stages on one group: held there)
+                return 0.0
+            return link(a, b).alpha + scale * nbytes / link(a, b).beta
 
-        # per boundary, bytes each way (a transfer past the next stage priced on its last hop)
-        fbytes = [sum(send[a, s + 1, 0] for a in range(s + 1)) for s in range(S - 1)]
-        bbytes = [sum(send[b, s, 1] for b in range(s + 1, S)) for s in range(S - 1)]
+        # per boundary, bytes each way (a transfer past the next stage priced on its last
+        # hop; none between stages on one group)
+        fbytes = [sum(send[a, s + 1, 0] for a in range(s + 1) if order[a] != order[s + 1])
+                  for s in range(S - 1)]
+        bbytes = [sum(send[b, s, 1] for b in range(s + 1, S) if order[b] != order[s])
+                  for s in range(S - 1)]
         scale = [1 if direct[s] else len(islands[s]) for s in range(S - 1)]
         fw = [seconds(s, s + 1, fbytes[s], scale[s]) for s in range(S - 1)]
         bw = [seconds(s + 1, s, bbytes[s], scale[s]) for s in range(S - 1)]
@@ -516,20 +581,31 @@ class _Evaluator:
                     copy[owner[p], s] += g.tensors[g.inputs[p]].nbytes
         copied = {(a, b): seconds(a, b, copy[a, b]) for a in range(S) for b in range(S)
                   if copy[a, b] > 0}
-        head = max([0.0, *copied.values()])
+        on_link: dict = {}  # per direction of a link between groups, its copies one by one
+        for (a, b), t in copied.items():
+            on_link[order[a], order[b]] = on_link.get((order[a], order[b]), 0.0) + t
+        head = max([0.0, *on_link.values()])
         ready: dict = {}  # free-running, the copies run under the first works, on their links
         for (a, b), t in copied.items() if self.free_running else ():
             key = ("F", b - 1) if a < b else ("B", b)
-            ready[key] = ready.get(key, 0.0) + t
+            ready[key] = max(ready.get(key, 0.0), on_link[order[a], order[b]])
         # memory: one SPMD program gives every device the same buffers, each sized for
         # the stage needing most (state, copies, sums, keep pool, mailboxes), and the data
         cap = min(cluster.classes[cluster.class_of(d)].memory for devs in islands for d in devs)
-        copied_bytes = [0.0] * S
-        for s in range(S):
-            copied_bytes[s] = sum(g.tensors[g.inputs[p]].nbytes for p in needs[s] if owner[p] != s)
+        copied_bytes = [0.0] * S  # per stage (per group where groups repeat): one copy each
+        for k, s in enumerate(dict.fromkeys(place) if place else range(S)):
+            on = [t for t in range(S) if (place[t] if place else t) == s]
+            copied_bytes[k] = sum(g.tensors[g.inputs[p]].nbytes for p in set().union(
+                *(needs[t] for t in on)) if order[owner[p]] != order[on[0]])
         share = [max(x / (r.batch // M) for x in rs) for rs in rows]
         per_micro = [resid[s] * share[s] for s in range(S)]  # one microbatch's residuals, per device
-        fixed = sc["state"] + max(copied_bytes) + sc["sums"] + self.data_bytes
+        state, sums = sc["state"], sc["sums"]
+        if place:  # a group holds the state and sums of every stage on it
+            merged = [[s for s in range(S) if place[s] == k] for k in range(max(place) + 1)]
+            state = packed_bytes([[x for s in m for x in sc["held"][s]] for m in merged],
+                                 APART_BYTES)
+            sums = packed_bytes([[x for s in m for x in sc["sum_items"][s]] for m in merged])
+        fixed = state + max(copied_bytes) + sums + self.data_bytes
         keep = max(per_micro)
         # (a stage keeping nothing takes no slot of the pool, however deep its warm-up)
         memory_cap = [max(1, int((cap - fixed) // keep)) - 1 if keep and per_micro[s] > 0
@@ -545,7 +621,8 @@ class _Evaluator:
                 try:
                     got = run(schedule(kind, fwd, bwd, M, fw, bw, memory_cap=caps,
                                        cost=lambda x, run=run: run(x).makespan,
-                                       ready=ready if self.free_running else None))
+                                       ready=ready if self.free_running else None,
+                                       place=place or None))
                 except RuntimeError:
                     return None
                 used = fixed + self._buffers(got, late, send, share, rows, islands, per_micro)
@@ -561,7 +638,13 @@ class _Evaluator:
         for s in range(S):
             recv = sum(seconds(a, s, once[a, s]) for a in range(S) if a != s)
             tail.append(sync[s] + recv + whole[s])
-        if self.free_running:  # a stage sums and sends its part once its own last work is done
+        if place:  # a group's stages run their once-per-step rounds one after another, from
+            # its last work (free-running; the copies already in `ready`) or the last tick
+            last = {j: sch.makespan + head for j in set(place)}
+            if self.free_running:
+                last = {j: max(x.end for x in sch.slots if place[x.stage] == j) for j in last}
+            step = max(last[j] + sum(t for t, k in zip(tail, place) if k == j) for j in last)
+        elif self.free_running:  # a stage sums and sends its part once its own last work is done
             done = [max([0.0] + [x.end for x in sch.slots if x.stage == s]) + sync[s]
                     for s in range(S)]
             step = max(max([done[s]] + [done[a] + seconds(a, s, once[a, s])
@@ -573,7 +656,7 @@ class _Evaluator:
         fits = memory[0] <= cap
         return Pipeline(tuple(order), tuple(cuts), M, kind, step, sch, tuple(fwd), tuple(bwd),
                         tuple(tail), head, tuple(fw), tuple(bw), memory, fits, rows,
-                        delay=delay, ops=tuple(f + b for f, b in sc["nops"]))
+                        delay=delay, ops=tuple(f + b for f, b in sc["nops"]), place=place)
 
     def _buffers(self, sch, delay, send, share, rows, islands, per_micro) -> float:
         """Per device, the bytes of the keep pool (its slots and the microbatch being
@@ -631,7 +714,7 @@ def lockstep(sch: PipeSchedule, fwd, bwd, send, send_back, wire=None) -> PipeSch
         end += max(length) + sum(max([0.0] + [t for (ph, _), t in moved.items() if ph == way])
                                  for way in "FB")
     return PipeSchedule(sch.kind, S, sch.micros, tuple(slots), end, sch.in_flight, sch.depths,
-                        tuple(rows))
+                        tuple(rows), sch.place)
 
 
 def ticks(sch: PipeSchedule, lag=None) -> list[tuple[int, int, int, str]]:
@@ -646,10 +729,10 @@ def ticks(sch: PipeSchedule, lag=None) -> list[tuple[int, int, int, str]]:
     S = sch.stages
     before: dict = {}
     last: dict = {}
-    for x in sch.slots:  # the simulation lists each stage's work in the order it ran it
+    for x in sch.slots:  # the simulation lists each group's work in the order it ran it
         key = (x.phase, x.stage, x.micro)
-        before[key] = last.get(x.stage)
-        last[x.stage] = key
+        before[key] = last.get(sch.group(x.stage))
+        last[sch.group(x.stage)] = key
     when: dict = {}
 
     def tick(key) -> int:
@@ -670,8 +753,10 @@ def ticks(sch: PipeSchedule, lag=None) -> list[tuple[int, int, int, str]]:
 
 def late_ticks(sch: PipeSchedule) -> list[tuple[int, int, int, str]]:
     """The tick table of `sch` sending a tick late: every reader across a boundary a tick
-    after the message crossed (what a plan with `delay` 1 runs)."""
-    return ticks(sch, {(ph, s): 1 for ph in "FB" for s in range(sch.stages - 1)})
+    after the message crossed (what a plan with `delay` 1 runs; nothing crosses between
+    stages on one group)."""
+    return ticks(sch, {(ph, s): 1 for ph in "FB" for s in range(sch.stages - 1)
+                       if sch.group(s) != sch.group(s + 1)})
 
 
 def as_plan(pipe: Pipeline, dp: Plan, spmd: Plan, cluster: Cluster) -> Plan:
@@ -680,6 +765,9 @@ def as_plan(pipe: Pipeline, dp: Plan, spmd: Plan, cluster: Cluster) -> Plan:
     SPMD-only plan) gives the baselines, with its own time as "SPMD"."""
     from dataclasses import replace
 
+    if pipe.place:
+        raise ValueError(f"a pipeline running several stages on one group of devices "
+                         f"({pipe.order}) is a what-if: the lowering does not run it")
     M = pipe.micros
     names = [c.name for c in cluster.classes]
     islands, of = stage_groups(cluster)

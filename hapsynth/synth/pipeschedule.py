@@ -6,6 +6,10 @@ stage s to s+1 in `send[s]` seconds and its cotangent back in `send_back[s]` (ea
 direction of a link carries one transfer at a time, overlapping compute). A schedule
 is the order of F and B work per stage; `simulate` runs it as early as dependencies,
 stages and links allow. The result is data: one `Slot` per (stage, microbatch, F/B).
+A `place` puts several stages on one group of devices (a V-shaped pipeline: the first
+and last stages on one island, the middle on another), which runs one work at a time;
+a stage's boundary to a stage on its own group carries nothing (`send` 0 there), and
+the two boundaries of a V that use one direction of a link take turns on it.
 
 - GPipe: every forward, then every backward;
 - 1F1B: `S - 1 - s` forwards to warm up, then one forward and one backward in turn;
@@ -47,6 +51,14 @@ class PipeSchedule:
     in_flight: tuple[int, ...]   # per stage: the most microbatches forwarded, not yet back
     depths: tuple[int, ...] = ()  # hetero-1f1b: the warm-up depth chosen per stage
     ticks: tuple = ()             # as run in lock step: its (tick, stage, micro, phase) rows
+    place: tuple[int, ...] = ()   # per stage: the group of devices running it (empty: its own)
+
+    def group(self, stage: int) -> int:
+        return self.place[stage] if self.place else stage
+
+    @property
+    def groups(self) -> int:
+        return len(set(self.place)) if self.place else self.stages
 
     def order(self, stage: int) -> list[str]:
         """"F0 F1 B0 F2 ..." on one stage, in time order."""
@@ -54,9 +66,9 @@ class PipeSchedule:
                 if s.stage == stage]
 
     def bubble(self) -> float:
-        """The fraction of stage-time idle within the step."""
+        """The fraction of device-group time idle within the step."""
         busy = sum(s.end - s.start for s in self.slots)
-        return 1.0 - busy / (self.stages * self.makespan) if self.makespan else 0.0
+        return 1.0 - busy / (self.groups * self.makespan) if self.makespan else 0.0
 
     def table(self) -> str:
         """One line per slot: start, end, stage, microbatch, phase."""
@@ -73,14 +85,17 @@ class PipeSchedule:
 
 
 def schedule(kind: str, forward, backward, micros: int, send=None, send_back=None,
-             memory_cap=None, cost=None, ready=None) -> PipeSchedule:
+             memory_cap=None, cost=None, ready=None, place=None) -> PipeSchedule:
     """The `kind` schedule (one of `KINDS`) of `micros` microbatches over the stages
     given by per-stage `forward` and `backward` seconds and per-boundary transfer
     seconds; `memory_cap[s]` bounds hetero-1f1b's activations in flight on stage s;
     `cost(schedule)` is what hetero-1f1b's search minimises (default: the makespan; a
     lowering that runs the schedule another way prices it its own way); `ready`: per link
     direction (("F", s): stage s to s + 1, ("B", s): back), when what crossed it before
-    the first microbatch has arrived; the stage it went to starts no work before."""
+    the first microbatch has arrived; the stage it went to starts no work before.
+    `place[s]`: the group of devices running stage s (groups 0, 1, ...; default: each
+    stage its own); a group runs one work at a time, a ready backward before a forward
+    and a later stage's forward before an earlier one's."""
     S = len(forward)
     if len(backward) != S or S < 1 or micros < 1:
         raise ValueError(f"need as many backward as forward times (got {len(forward)} and "
@@ -89,8 +104,13 @@ def schedule(kind: str, forward, backward, micros: int, send=None, send_back=Non
     send_back = tuple(send_back or send)
     if len(send) != S - 1 or len(send_back) != S - 1:
         raise ValueError(f"{S} stages have {S - 1} boundaries; got {len(send)} transfer times")
+    place = tuple(int(g) for g in place) if place is not None else ()
+    if place and (len(place) != S or set(place) != set(range(max(place) + 1))):
+        raise ValueError(f"place needs a group 0, 1, ... per stage ({S}), got {place}")
+    if place == tuple(range(S)):
+        place = ()
     times = (tuple(map(float, forward)), tuple(map(float, backward)), send, send_back,
-             dict(ready or {}))
+             dict(ready or {}), place)
     if kind == "gpipe":
         orders = [[("F", m) for m in range(micros)] + [("B", m) for m in range(micros)]
                   for _ in range(S)]
@@ -128,7 +148,7 @@ def _adaptive(times, micros: int, memory_cap, cost) -> PipeSchedule:
         plain = _run("hetero-1f1b", times, micros,
                      orders=[_one_f_one_b(S, s, micros) for s in range(S)])
         best = PipeSchedule(plain.kind, S, micros, plain.slots, plain.makespan, plain.in_flight,
-                            tuple(base))
+                            tuple(base), place=plain.place)
     best_cost = None if best is None else cost(best)
     for depths in product(*choices) if _count(choices) <= 729 else [tuple(
             min(c, b + 2) for b, c in zip(base, cap))]:
@@ -155,13 +175,20 @@ def arrived(ready, S: int) -> list[float]:
 
 def _run(kind, times, M: int, orders=None, depths=None) -> PipeSchedule:
     """Simulate: fixed per-stage `orders`, or (with `depths`) the ready-first rule."""
-    fwd, bwd, send, send_back, ready_at = times
+    fwd, bwd, send, send_back, ready_at, place = times
     S = len(fwd)
+    group = place or tuple(range(S))
     done: dict = {}                     # (phase, stage, micro) -> end time
     arrive: dict = {}                   # (phase, stage, micro) -> when its input is there
-    link_free = {("F", s): 0.0 for s in range(S - 1)} | {("B", s): 0.0 for s in range(S - 1)}
-    link_free |= ready_at
-    free = arrived(ready_at, S)
+
+    def way(phase, s):  # boundary s's direction of its link: one transfer at a time on it
+        return (group[s], group[s + 1]) if phase == "F" else (group[s + 1], group[s])
+
+    link_free: dict = {}
+    for (phase, s), t in ready_at.items():
+        link_free[way(phase, s)] = max(link_free.get(way(phase, s), 0.0), t)
+    first = arrived(ready_at, S)
+    free = [0.0] * (max(group) + 1)     # per group of devices: when its last work ends
     nxt = [0] * S                        # position in orders / next forward micro
     back = [0] * S                       # next backward micro (adaptive)
     live = [0] * S
@@ -177,19 +204,23 @@ def _run(kind, times, M: int, orders=None, depths=None) -> PipeSchedule:
         return arrive.get(("B", s, m))
 
     while len(slots) < total:
-        cands = []  # (start, preference, stage, phase, micro): the earliest, B before F
+        # (start, forward?, stage (later first for forwards), preference, phase, micro): the
+        # earliest, a backward before a forward (on a group running several stages too)
+        cands = []
         for s in range(S):
             for pref, (phase, m) in enumerate(_next_work(s, orders, depths, nxt, back, live, M)):
                 r = ready(phase, s, m)
                 if r is not None:
-                    cands.append((max(free[s], r), pref, s, phase, m))
+                    cands.append((max(free[group[s]], first[s], r), phase == "F",
+                                  -s if phase == "F" else s, pref, phase, m))
         if not cands:
             raise RuntimeError("pipeline schedule deadlocked")  # a bad fixed order
-        start, _, s, phase, m = min(cands)
+        start, _, key, _, phase, m = min(cands)
+        s = -key if phase == "F" else key
         end = start + (fwd[s] if phase == "F" else bwd[s])
         slots.append(Slot(s, m, phase, start, end))
         done[(phase, s, m)] = end
-        free[s] = end
+        free[group[s]] = end
         if orders is not None:
             nxt[s] += 1
         elif phase == "F":
@@ -199,13 +230,13 @@ def _run(kind, times, M: int, orders=None, depths=None) -> PipeSchedule:
         live[s] += 1 if phase == "F" else -1
         peak[s] = max(peak[s], live[s])
         if phase == "F" and s < S - 1:
-            t0 = max(end, link_free[("F", s)])
-            link_free[("F", s)] = arrive[("F", s + 1, m)] = t0 + send[s]
+            t0 = max(end, link_free.get(way("F", s), 0.0))
+            link_free[way("F", s)] = arrive[("F", s + 1, m)] = t0 + send[s]
         if phase == "B" and s > 0:
-            t0 = max(end, link_free[("B", s - 1)])
-            link_free[("B", s - 1)] = arrive[("B", s - 1, m)] = t0 + send_back[s - 1]
+            t0 = max(end, link_free.get(way("B", s - 1), 0.0))
+            link_free[way("B", s - 1)] = arrive[("B", s - 1, m)] = t0 + send_back[s - 1]
     return PipeSchedule(kind, S, M, tuple(slots), max(s.end for s in slots), tuple(peak),
-                        tuple(depths) if depths is not None else ())
+                        tuple(depths) if depths is not None else (), place=place)
 
 
 def _next_work(s, orders, depths, nxt, back, live, M):
