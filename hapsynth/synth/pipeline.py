@@ -140,6 +140,7 @@ class _Costs:
         self.islands = islands
         self._micro: dict = {}
         self._rows: dict = {}
+        self._running: dict = {}
         # per op: the bytes of its values without the batch's rows in them (state read,
         # or made from it alone; a weight's gradient, a partial sum), which every
         # microbatch touches whole
@@ -153,6 +154,24 @@ class _Costs:
             total = sum(cluster.device_class(d).flops for d in devs)
             classes = sorted({cluster.class_of(d) for d in devs})
             self.share.append({c: cluster.classes[c].flops / total for c in classes})
+
+    @functools.cached_property
+    def ranked(self) -> tuple[list, np.ndarray]:
+        """The ops run per microbatch, in rank order (stable), and their ranks."""
+        r = self.regions
+        ops = [i for i, x in enumerate(r.region) if x == "micro" and r.rank[i] >= 0]
+        ranks = np.array([r.rank[i] for i in ops])
+        ix = np.argsort(ranks, kind="stable")
+        return [ops[j] for j in ix], ranks[ix]
+
+    def running(self, island: int, M: int = 1) -> np.ndarray:
+        """The running sum, in rank order, of one microbatch's seconds of those ops on the
+        island (cached): a stage's work is the difference at its two ends."""
+        key = (island, M)
+        if key not in self._running:
+            self._running[key] = np.concatenate(
+                [[0.0], np.cumsum([self.micro(i, island, M) for i in self.ranked[0]])])
+        return self._running[key]
 
     def rows_share(self, island: int, M: int) -> dict:
         """Per device class in the island, the largest share of a microbatch's rows one of
@@ -213,17 +232,11 @@ def plan_pipeline(graph: Graph, cluster: Cluster, regions: Regions, layouts, num
     evaluator = _Evaluator(graph, cluster, regions, num_state_leaves, costs, layouts,
                            free_running)
     one_stage = _whole_stage(costs, S) if whole == "only" or whole and by_links else []
-    micro_ops = [i for i, r in enumerate(regions.region) if r == "micro" and regions.rank[i] >= 0]
     points = regions.cut_points()
     if whole == "only" or len(points) < S - 1:
         return _cheapest(evaluator, one_stage, kinds)
-    ranks = np.array([regions.rank[i] for i in micro_ops])
-    order_ix = np.argsort(ranks, kind="stable")
-    sorted_ranks = ranks[order_ix]
-    prefix = []
-    for k in range(S):
-        t = np.array([costs.micro(micro_ops[j], k) for j in order_ix])
-        prefix.append(np.concatenate([[0.0], np.cumsum(t)]))
+    micro_ops, sorted_ranks = costs.ranked
+    prefix = [costs.running(k) for k in range(S)]
     # a bound on any step with given cuts: a stage's own work, the whole batch at once
     # (its microbatches cost no less), and its ops after the microbatches (the optimizer);
     # or a link's bytes (below)
@@ -310,26 +323,18 @@ def plan_vshape(graph: Graph, cluster: Cluster, regions: Regions, layouts,
     costs = _Costs(graph, cluster, regions, stage_groups(cluster)[0], layouts)
     evaluator = _Evaluator(graph, cluster, regions, num_state_leaves, costs, layouts,
                            free_running)
-    micro_ops = [i for i, r in enumerate(regions.region) if r == "micro" and regions.rank[i] >= 0]
-    ranks = np.array([regions.rank[i] for i in micro_ops])
-    ix = np.argsort(ranks, kind="stable")
     points = regions.cut_points()
     combos = np.array(list(itertools.combinations(points, 2)), np.int64).reshape(-1, 2)
-    spans = _spans(ranks[ix], combos)
+    spans = _spans(costs.ranked[1], combos)
     # each direction of the link carries both boundaries' bytes (one forward, one back)
     crossing = _crossing(graph, regions, points)[np.searchsorted(points, combos)].sum(axis=1)
     first = []  # every cut's price under plain 1F1B; the best few under every schedule
-
-    @functools.lru_cache(maxsize=None)
-    def prefix(k, M):  # per rank order, the running sum of the ops' seconds on group k
-        return np.concatenate([[0.0], np.cumsum([costs.micro(micro_ops[j], k, M) for j in ix])])
-
     for o, v in itertools.permutations(range(len(parts)), 2):
         if island[o] == island[v]:
             continue
         beta = cluster.link_between(parts[o][0], parts[v][0]).beta
         for M in _micro_counts(regions.batch, 2, max(len(parts[o]), len(parts[v]))):
-            pre = {k: prefix(k, M) for k in (o, v)}
+            pre = {k: costs.running(k, M) for k in (o, v)}
             outer = (pre[o][spans[:, 1]] - pre[o][spans[:, 0]]
                      + pre[o][spans[:, 3]] - pre[o][spans[:, 2]])
             busiest = np.maximum(outer, pre[v][spans[:, 2]] - pre[v][spans[:, 1]]) * M
@@ -592,19 +597,18 @@ class _Evaluator:
         # memory: one SPMD program gives every device the same buffers, each sized for
         # the stage needing most (state, copies, sums, keep pool, mailboxes), and the data
         cap = min(cluster.classes[cluster.class_of(d)].memory for devs in islands for d in devs)
-        copied_bytes = [0.0] * S  # per stage (per group where groups repeat): one copy each
-        for k, s in enumerate(dict.fromkeys(place) if place else range(S)):
-            on = [t for t in range(S) if (place[t] if place else t) == s]
-            copied_bytes[k] = sum(g.tensors[g.inputs[p]].nbytes for p in set().union(
-                *(needs[t] for t in on)) if order[owner[p]] != order[on[0]])
+        # per group of devices, its stages (one each unless groups repeat): one copy each
+        members = [[t for t in range(S) if place[t] == j] for j in range(max(place) + 1)
+                   ] if place else [[s] for s in range(S)]
+        copied_bytes = [sum(g.tensors[g.inputs[p]].nbytes for p in set().union(
+            *(needs[t] for t in m)) if order[owner[p]] != order[m[0]]) for m in members]
         share = [max(x / (r.batch // M) for x in rs) for rs in rows]
         per_micro = [resid[s] * share[s] for s in range(S)]  # one microbatch's residuals, per device
         state, sums = sc["state"], sc["sums"]
         if place:  # a group holds the state and sums of every stage on it
-            merged = [[s for s in range(S) if place[s] == k] for k in range(max(place) + 1)]
-            state = packed_bytes([[x for s in m for x in sc["held"][s]] for m in merged],
+            state = packed_bytes([[x for s in m for x in sc["held"][s]] for m in members],
                                  APART_BYTES)
-            sums = packed_bytes([[x for s in m for x in sc["sum_items"][s]] for m in merged])
+            sums = packed_bytes([[x for s in m for x in sc["sum_items"][s]] for m in members])
         fixed = state + max(copied_bytes) + sums + self.data_bytes
         keep = max(per_micro)
         # (a stage keeping nothing takes no slot of the pool, however deep its warm-up)

@@ -204,19 +204,18 @@ def _run(kind, times, M: int, orders=None, depths=None) -> PipeSchedule:
         return arrive.get(("B", s, m))
 
     while len(slots) < total:
-        # (start, forward?, stage (later first for forwards), preference, phase, micro): the
-        # earliest, a backward before a forward (on a group running several stages too)
+        # (start, forward?, later stage first for forwards, preference, stage, phase, micro):
+        # the earliest, a backward before a forward (on a group running several stages too)
         cands = []
         for s in range(S):
             for pref, (phase, m) in enumerate(_next_work(s, orders, depths, nxt, back, live, M)):
                 r = ready(phase, s, m)
                 if r is not None:
                     cands.append((max(free[group[s]], first[s], r), phase == "F",
-                                  -s if phase == "F" else s, pref, phase, m))
+                                  -s if phase == "F" else s, pref, s, phase, m))
         if not cands:
             raise RuntimeError("pipeline schedule deadlocked")  # a bad fixed order
-        start, _, key, _, phase, m = min(cands)
-        s = -key if phase == "F" else key
+        start, _, _, _, s, phase, m = min(cands)
         end = start + (fwd[s] if phase == "F" else bwd[s])
         slots.append(Slot(s, m, phase, start, end))
         done[(phase, s, m)] = end
