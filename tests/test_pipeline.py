@@ -979,6 +979,38 @@ def test_pricing_counts_each_crossing_once():
     assert sc["send"][1, 0, 1] == want
 
 
+def test_a_value_both_phases_of_the_next_stage_read_is_priced_crossing_once():
+    """The activation entering a stage is read by its forward and again by its backward
+    (a layer norm's): the lowering sends it once and the receiving forward keeps it for
+    the backward. The pricing sends and keeps the same bytes as the lowering, at every
+    cut (it priced such a value crossing twice, the target row's forward transfers
+    double)."""
+    from hapsynth.lower.devices import local_devices
+    from hapsynth.lower.pipeline import Pipelined
+    from hapsynth.synth.pipeline import _Costs, _Evaluator
+
+    step, args = get("gpt", "tiny")
+    cluster = two_islands()
+    par = hs.parallelize(step, cluster=cluster, pipeline=True, time_limit=1)
+    plan = par.plan(*args)
+    prog = par._programs[next(iter(par._programs))]
+    graph, dp, r, n = _regions(step, args, cluster)
+    parts, _ = stage_parts(cluster)
+    ev = _Evaluator(graph, cluster, r, n, _Costs(graph, cluster, r, parts, dp.tensor_layouts),
+                    dp.tensor_layouts)
+    nbytes = lambda xs: sum(graph.tensors[x].nbytes for x in xs)
+    both = 0
+    for cut in r.cut_points()[::2]:
+        low = Pipelined(prog, replace(plan, pipeline={**plan.pipeline, "cuts": [int(cut)]}),
+                        local_devices(cluster))
+        sc = ev.scan((0, 1), (int(cut),))
+        sent = set().union(*low.sends.get((0, "F"), {}).values())
+        assert sc["send"][0, 1, 0] == nbytes(sent), cut
+        assert sc["resid"][1] == nbytes(low.keeps[1]), cut
+        both += any(x in low.keeps[1] for x in sent)
+    assert both  # some cut sends a value both phases read
+
+
 def test_sums_apart_put_each_value_in_a_buffer_of_its_own():
     """`Packing(apart=True)`: per dtype, each stage's largest value in the first buffer,
     the next in the second; `bundle` sizes each buffer for the stage needing most; a
@@ -1350,8 +1382,9 @@ def test_a_v_shaped_pipeline_is_priced_with_its_ends_on_one_island():
     """A what-if (`plan_vshape`, not lowered): the first and last stages on one island, the
     middle on the other. The tied embedding's two ends then share devices, so nothing of
     it crosses (the straight pipeline copies it over the link first); the island running
-    two stages runs one work a tick; its once-per-step rounds add up. The search finds the
-    best V under its own prices."""
+    two stages runs one work at a time (in lock step, a tick runs one work per stage, the
+    island's two one after another); its once-per-step rounds add up. The search finds
+    the best V under its own prices."""
     import itertools
 
     from hapsynth.synth import pipeline as P
@@ -1395,7 +1428,17 @@ def test_a_v_shaped_pipeline_is_priced_with_its_ends_on_one_island():
     assert vee.memory[0] >= packed_bytes([held[0] + held[2], held[1]], APART_BYTES)
     with pytest.raises(ValueError, match="what-if"):
         P.as_plan(vee, dp, dp, cluster)
+    # in lock step a tick runs one work per stage, a group's stages one after another
     rows = ticks(vee.schedule)
+    both = 0
     for t in {r[0] for r in rows}:
-        groups = [vee.schedule.group(s) for tt, s, _, _ in rows if tt == t]
-        assert len(groups) == len(set(groups))  # a group runs one work a tick
+        stages = [s for tt, s, _, _ in rows if tt == t]
+        assert len(stages) == len(set(stages))
+        both += {0, 2} <= set(stages)
+    assert both  # the island running two stages works on both in some tick
+    by_group: dict = {}
+    for x in vee.schedule.slots:
+        by_group.setdefault(vee.schedule.group(x.stage), []).append((x.start, x.end))
+    for spans in by_group.values():  # never two works at once on a group
+        spans.sort()
+        assert all(a[1] <= b[0] + 1e-12 for a, b in zip(spans, spans[1:]))

@@ -8,7 +8,8 @@ stage over every device (`stage_groups`: gradient accumulation across the island
 Priced per microbatch: every stage's forward and
 backward at its rows, each microbatch reading its weights (and writing their gradients)
 whole, and the backward's add of its gradients into the sums, at memory speed; each
-tensor crossing a boundary over the link between the two islands; the schedule
+tensor crossing a boundary over the link between the two islands, once (one read by
+both phases of its stage is kept there by the forward, as the lowering does); the schedule
 simulated (`pipeschedule.py`) for its order, then priced in lock step as the lowering
 runs it (`lockstep`: a tick lasts its longest work and then its longest
 transfer each way, one way after the other, or, sending a tick late beside the next
@@ -313,7 +314,8 @@ def plan_vshape(graph: Graph, cluster: Cluster, regions: Regions, layouts,
     stages on one group of devices (`stage_parts`) and the middle stage on another, so
     that a model's two ends (a tied embedding's lookup and head) sit on one island and
     nothing of them crosses. Priced as `plan_pipeline` prices (the group of two stages
-    runs one work at a time); per group pair and microbatch count, the `keep` cuts of the
+    runs one work at a time; in lock step a tick runs one work per stage, the group's
+    two one after another); per group pair and microbatch count, the `keep` cuts of the
     least of a rough measure (the busiest group's work, or both cuts' bytes over the link)
     are priced under plain 1F1B, and the best dozen under `kinds`. None where no two
     islands exist."""
@@ -461,6 +463,7 @@ class _Evaluator:
         needs: list[set] = [set() for _ in range(S)]
         nops = [[0, 0] for _ in range(S)]   # per stage: forward and backward ops
         seen: set = set()
+        crossing: dict = {}              # (value, from stage, to stage) -> phases reading it
         for op in g.ops:
             i, reg, s = op.id, r.region[op.id], st[op.id]
             if reg == "micro" and s >= 0:
@@ -498,9 +501,15 @@ class _Evaluator:
                         resid[s] += g.tensors[x].nbytes
                     continue
                 if r.region[j] == "micro" and reg == "micro":
-                    send[a, s, 0 if r.forward[j] else 1] += g.tensors[x].nbytes
+                    crossing.setdefault((x, a, s), set()).add(r.forward[i])
                 else:
                     once[a, s] += g.tensors[x].nbytes
+        # a value read by both phases of a later stage crosses once and is kept there by
+        # the forward for its backward, as the lowering sends it
+        for (x, a, s), phases in crossing.items():
+            send[a, s, 0 if r.forward[self.producer[x]] else 1] += g.tensors[x].nbytes
+            if len(phases) == 2:
+                resid[s] += g.tensors[x].nbytes
         acc = [float(sum(x[2] for x in mine)) for mine in sums]
         held: list[list] = [[] for _ in range(S)]  # per stage: its state leaves
         for p, o in enumerate(owner):
@@ -687,13 +696,15 @@ class _Evaluator:
 
 def lockstep(sch: PipeSchedule, fwd, bwd, send, send_back, wire=None) -> PipeSchedule:
     """`sch` as the lowering runs it: a table of ticks (`ticks`), each tick's work in one
-    switch on every device. Without `wire`, what a tick made crosses to its readers by
-    `ppermute` after the work, in the same iteration of the tick loop: a tick lasts its
-    longest work plus its forwards' longest transfer and then its backwards' (a link
-    direction carrying one message at a time). With `wire` (seconds), what a tick made
-    crosses during the next tick, on every pair its shift may use (device runtimes whose collectives run beside independent
-    work: XLA's GPU async collectives): a tick lasts its longest work or `wire`, whichever
-    is longer, and readers across a boundary sit a tick later."""
+    switch on every device (a group of devices running several stages, a V shape's
+    what-if: one work per stage, the group's one after another). Without `wire`, what a
+    tick made crosses to its readers by `ppermute` after the work, in the same iteration
+    of the tick loop: a tick lasts its longest work plus its forwards' longest transfer
+    and then its backwards' (a link direction carrying one message at a time). With
+    `wire` (seconds), what a tick made crosses during the next tick, on every pair its
+    shift may use (device runtimes whose collectives run beside independent work: XLA's
+    GPU async collectives): a tick lasts its longest work or `wire`, whichever is longer,
+    and readers across a boundary sit a tick later."""
     S = sch.stages
     rows = ticks(sch) if wire is None else late_ticks(sch)
     by_tick: dict = {}
@@ -702,8 +713,13 @@ def lockstep(sch: PipeSchedule, fwd, bwd, send, send_back, wire=None) -> PipeSch
     slots, end = [], 0.0
     for t in sorted(by_tick) if wire is None else range(max(by_tick) + 1):
         work = by_tick.get(t, [])
-        length = [fwd[s] if ph == "F" else bwd[s] for s, _, ph in work]
-        slots += [Slot(s, m, ph, end, end + d) for (s, m, ph), d in zip(work, length)]
+        busy: dict = {}  # per group: its stages' work this tick, one after another
+        for s, m, ph in work:
+            d = fwd[s] if ph == "F" else bwd[s]
+            at = end + busy.get(sch.group(s), 0.0)
+            slots.append(Slot(s, m, ph, at, at + d))
+            busy[sch.group(s)] = at + d - end
+        length = list(busy.values())
         if wire is not None:  # a tick without work still carries the last one's messages
             end += max([wire, *length])
             continue
@@ -725,18 +741,19 @@ def ticks(sch: PipeSchedule, lag=None) -> list[tuple[int, int, int, str]]:
     """The schedule as a static table of (tick, stage, microbatch, "F"/"B"): each stage's
     work in its simulated order, a tick after what it waits for (its previous work, the
     forward before it, the backward after it), as early as that allows and, across
-    boundary s, `lag[("F" or "B", s)]` ticks later still. A schedule run in lock step
-    keeps the table it ran (`PipeSchedule.ticks`)."""
+    boundary s, `lag[("F" or "B", s)]` ticks later still. A tick runs one work per stage
+    (a group of devices running several stages runs theirs one after another in it). A
+    schedule run in lock step keeps the table it ran (`PipeSchedule.ticks`)."""
     if sch.ticks and lag is None:
         return [tuple(r) for r in sch.ticks]
     lag = lag or {}
     S = sch.stages
     before: dict = {}
     last: dict = {}
-    for x in sch.slots:  # the simulation lists each group's work in the order it ran it
+    for x in sch.slots:  # the simulation lists each stage's work in the order it ran it
         key = (x.phase, x.stage, x.micro)
-        before[key] = last.get(sch.group(x.stage))
-        last[sch.group(x.stage)] = key
+        before[key] = last.get(x.stage)
+        last[x.stage] = key
     when: dict = {}
 
     def tick(key) -> int:
