@@ -979,18 +979,64 @@ def test_pricing_counts_each_crossing_once():
     assert sc["send"][1, 0, 1] == want
 
 
-def test_a_value_both_phases_of_the_next_stage_read_is_priced_crossing_once():
-    """The activation entering a stage is read by its forward and again by its backward
-    (a layer norm's): the lowering sends it once and the receiving forward keeps it for
-    the backward. The pricing sends and keeps the same bytes as the lowering, at every
-    cut (it priced such a value crossing twice, the target row's forward transfers
-    double)."""
+def _residual_for_backward_alone():
+    """An MLP whose later layers' backward reads the first layer's output through a
+    custom VJP's residual: a value crossing stages that only a backward reads."""
+    @jax.custom_vjp
+    def act(x, first):
+        return jnp.tanh(x)
+
+    def act_fwd(x, first):
+        y = jnp.tanh(x)
+        return y, (y, first)
+
+    def act_bwd(res, ct):
+        y, first = res
+        return ct * (1 - y * y) * first, jnp.zeros_like(first)
+
+    act.defvjp(act_fwd, act_bwd)
+
+    def forward(p, x):
+        first = None
+        for i in range(len(p)):
+            x = x @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"]
+            if i < len(p) - 1:
+                x = jnp.tanh(x) if first is None else act(x, first)
+                first = x if first is None else first
+        return x
+
+    tx = optax.adam(1e-2)
+
+    def step(p, o, x, y):
+        loss, g = jax.value_and_grad(lambda p: optax.softmax_cross_entropy_with_integer_labels(
+            forward(p, x), y).mean())(p)
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o, {"loss": loss}
+
+    p = _mlp()
+    return step, (p, tx.init(p), *_batch())
+
+
+@pytest.mark.parametrize("which", ["gpt", "skips", "backward alone"])
+def test_what_crosses_a_cut_is_priced_as_the_lowering_sends_and_keeps_it(which):
+    """Per pair of stages and direction, the pricing sends the bytes the lowering sends,
+    each stage keeps what the lowering keeps, and a message waits for the phases that
+    read it there. The activation entering a stage is read by its forward and again by
+    its backward (a layer norm's input): the lowering sends it once and the forward keeps
+    it (it was priced crossing twice); a value only a backward reads waits in the
+    mailbox for that backward (it was priced read by the forward)."""
+    import itertools
+    import random
+
     from hapsynth.lower.devices import local_devices
     from hapsynth.lower.pipeline import Pipelined
     from hapsynth.synth.pipeline import _Costs, _Evaluator
 
-    step, args = get("gpt", "tiny")
-    cluster = two_islands()
+    step, args, cluster = {
+        "gpt": lambda: (*get("gpt", "tiny"), two_islands()),
+        "skips": lambda: (*_hand_step(skip=True), four_islands()),
+        "backward alone": lambda: (*_residual_for_backward_alone(), two_islands()),
+    }[which]()
     par = hs.parallelize(step, cluster=cluster, pipeline=True, time_limit=1)
     plan = par.plan(*args)
     prog = par._programs[next(iter(par._programs))]
@@ -999,16 +1045,51 @@ def test_a_value_both_phases_of_the_next_stage_read_is_priced_crossing_once():
     ev = _Evaluator(graph, cluster, r, n, _Costs(graph, cluster, r, parts, dp.tensor_layouts),
                     dp.tensor_layouts)
     nbytes = lambda xs: sum(graph.tensors[x].nbytes for x in xs)
-    both = 0
-    for cut in r.cut_points()[::2]:
-        low = Pipelined(prog, replace(plan, pipeline={**plan.pipeline, "cuts": [int(cut)]}),
+    S = len(plan.stages)
+    combos = list(itertools.combinations([int(c) for c in r.cut_points()], S - 1))
+    random.Random(0).shuffle(combos)
+    seen = {"both": 0, "backward alone": 0}
+    for cuts in combos[:12] if S > 2 else combos:
+        low = Pipelined(prog, replace(plan, pipeline={**plan.pipeline, "cuts": list(cuts)}),
                         local_devices(cluster))
-        sc = ev.scan((0, 1), (int(cut),))
-        sent = set().union(*low.sends.get((0, "F"), {}).values())
-        assert sc["send"][0, 1, 0] == nbytes(sent), cut
-        assert sc["resid"][1] == nbytes(low.keeps[1]), cut
-        both += any(x in low.keeps[1] for x in sent)
-    assert both  # some cut sends a value both phases read
+        sc = ev.scan(tuple(range(S)), cuts)
+        for a, b in itertools.permutations(range(S), 2):
+            for way, ph in enumerate("FB"):
+                dests = {phb: xs for (bb, phb), xs in low.sends.get((a, ph), {}).items()
+                         if bb == b}
+                sent = set().union(*dests.values())
+                assert sc["send"][a, b, way] == nbytes(sent), (cuts, a, b, ph)
+                if sent:
+                    assert sc["readers"][(a, b, way)] == sorted(dests), (cuts, a, b, ph)
+                    seen["backward alone"] += ph == "F" and "B" in dests
+        for s in range(S):
+            assert sc["resid"][s] == nbytes(low.keeps[s]), (cuts, s)
+            own = set(low.reads.get((s, "B"), {}).get((s, "F"), ()))
+            seen["both"] += bool(set(low.keeps[s]) - own)
+    # some cut sends a value both phases read (gpt), or one a backward reads alone
+    assert seen["backward alone" if which == "backward alone" else "both"], seen
+
+
+def test_a_group_of_devices_keeps_the_values_of_all_its_stages():
+    """In a V's lock step the group running two stages runs both in a tick, each keeping
+    its values in a pool of its own: the priced pools hold, at every tick, every
+    microbatch kept on the group and not yet back (they were sized as one stage's)."""
+    from hapsynth.synth.pipeline import _Evaluator, lockstep
+    from hapsynth.synth.slots import tick_tables
+
+    place, fwd, bwd = (0, 1, 0), [1.0, 2.0, 1.0], [2.0, 4.0, 2.0]
+    for kind in ("gpipe", "1f1b"):
+        sch = lockstep(schedule(kind, fwd, bwd, 12, place=place), fwd, bwd, [0.1] * 2, [0.1] * 2)
+        rows = ticks(sch)
+        f = {(s, m): t for t, s, m, ph in rows if ph == "F"}
+        b = {(s, m): t for t, s, m, ph in rows if ph == "B"}
+        live = max(sum(1 for k in f if place[k[0]] == 0 and f[k] <= t <= b[k])
+                   for t in range(max(r[0] for r in rows) + 1))
+        pool = _Evaluator._buffers(None, sch, 0, np.zeros((3, 3, 2)), [1.0] * 3, [(1,)] * 3,
+                                   [(0,), (1,), (0,)], [1.0] * 3, {}, [[0, 2], [1]])
+        assert pool >= live, (kind, pool, live)
+        if kind == "gpipe":  # a pool sized for one stage's keeps would not hold them
+            assert live > tick_tables(rows, 3, [True] * 3, {}).keep_slots + 1
 
 
 def test_sums_apart_put_each_value_in_a_buffer_of_its_own():

@@ -506,16 +506,20 @@ class _Evaluator:
                     once[a, s] += g.tensors[x].nbytes
         # a value read by both phases of a later stage crosses once and is kept there by
         # the forward for its backward, as the lowering sends it
+        readers: dict = {}  # (a, s, way) -> the phases of s reading what a sends
         for (x, a, s), phases in crossing.items():
-            send[a, s, 0 if r.forward[self.producer[x]] else 1] += g.tensors[x].nbytes
+            way = 0 if r.forward[self.producer[x]] else 1
+            send[a, s, way] += g.tensors[x].nbytes
             if len(phases) == 2:
                 resid[s] += g.tensors[x].nbytes
+            readers.setdefault((a, s, way), set()).add("F" if True in phases else "B")
         acc = [float(sum(x[2] for x in mine)) for mine in sums]
         held: list[list] = [[] for _ in range(S)]  # per stage: its state leaves
         for p, o in enumerate(owner):
             t = g.tensors[g.inputs[p]]
             held[o].append(("state", str(t.dtype), t.nbytes))
         out = dict(owner=owner, fwd=fwd, bwd=bwd, whole=whole, send=send, once=once, acc=acc,
+                   readers={k: sorted(v) for k, v in readers.items()},
                    resid=resid, needs=needs, nops=nops, sums=packed_bytes(sums),
                    state=packed_bytes(held, APART_BYTES), held=held, sum_items=sums,
                    added=touched_bytes([[x for x in mine if not x[0]] for mine in sums]))
@@ -638,7 +642,8 @@ class _Evaluator:
                                        place=place or None))
                 except RuntimeError:
                     return None
-                used = fixed + self._buffers(got, late, send, share, rows, islands, per_micro)
+                used = fixed + self._buffers(got, late, send, share, rows, islands, per_micro,
+                                             sc["readers"], members)
                 tighter = [min(c, d - 1) if d > b else c
                            for c, d, b in zip(caps, got.depths or base, base)]
                 if used <= cap or kind != "hetero-1f1b" or tighter == list(caps):
@@ -671,10 +676,13 @@ class _Evaluator:
                         tuple(tail), head, tuple(fw), tuple(bw), memory, fits, rows,
                         delay=delay, ops=tuple(f + b for f, b in sc["nops"]), place=place)
 
-    def _buffers(self, sch, delay, send, share, rows, islands, per_micro) -> float:
+    def _buffers(self, sch, delay, send, share, rows, islands, per_micro, readers,
+                 members) -> float:
         """Per device, the bytes of the keep pool (its slots and the microbatch being
         worked on), the mailboxes and the wires the lowering allocates for `sch`'s table
-        (`synth/slots.py`), each slot sized for the stage needing most."""
+        (`synth/slots.py`), each slot sized for the stage needing most. A group of devices
+        running several stages (a V's what-if) keeps each stage's values in a pool of its
+        own, as many slots as it has microbatches in flight at once, plus the one worked on."""
         S = sch.stages
         message, channels = {}, {}  # per channel (shift, phase): bytes per device, senders
         for a in range(S):
@@ -685,13 +693,22 @@ class _Evaluator:
                     size = send[a, b, way] * share[a] * (len(islands[a]) if rows[a] != rows[b] else 1)
                     c = (b - a, ph)
                     message[c] = max(message.get(c, 0.0), size)
-                    channels.setdefault(c, {})[a] = ["F" if ph == "F" and b > a else "B"]
+                    # (a message waits until its last reader: a backward reading it alone)
+                    channels.setdefault(c, {})[a] = readers[(a, b, way)]
         tables = tick_tables(ticks(sch), S, [x > 0 for x in per_micro], channels, delay)
         mail = sum((tables.mail_slots[c] + 1) * n for c, n in message.items())  # + a spare row
         wires = {}
         for (d, _), n in message.items():
             wires[d] = max(wires.get(d, 0.0), n)
-        return (tables.keep_slots + 1) * max(per_micro) + mail + (1 + delay) * sum(wires.values())
+        pool = (tables.keep_slots + 1) * max(per_micro)
+        if len(members) < S:
+            rows = ticks(sch)
+            fwd = {(s, m): t for t, s, m, ph in rows if ph == "F"}
+            bwd = {(s, m): t for t, s, m, ph in rows if ph == "B"}
+            live = [max([0] + [sum(1 for (x, m), f in fwd.items() if x == s and f <= t <= bwd[x, m])
+                               for t in {r[0] for r in rows}]) for s in range(S)]
+            pool = max(sum((live[s] + 1) * per_micro[s] for s in m) for m in members)
+        return pool + mail + (1 + delay) * sum(wires.values())
 
 
 def lockstep(sch: PipeSchedule, fwd, bwd, send, send_back, wire=None) -> PipeSchedule:
@@ -718,7 +735,7 @@ def lockstep(sch: PipeSchedule, fwd, bwd, send, send_back, wire=None) -> PipeSch
             d = fwd[s] if ph == "F" else bwd[s]
             at = end + busy.get(sch.group(s), 0.0)
             slots.append(Slot(s, m, ph, at, at + d))
-            busy[sch.group(s)] = at + d - end
+            busy[sch.group(s)] = busy.get(sch.group(s), 0.0) + d
         length = list(busy.values())
         if wire is not None:  # a tick without work still carries the last one's messages
             end += max([wire, *length])
