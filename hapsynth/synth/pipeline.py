@@ -695,14 +695,14 @@ class _Evaluator:
                     message[c] = max(message.get(c, 0.0), size)
                     # (a message waits until its last reader: a backward reading it alone)
                     channels.setdefault(c, {})[a] = readers[(a, b, way)]
-        tables = tick_tables(ticks(sch), S, [x > 0 for x in per_micro], channels, delay)
+        rows = ticks(sch)
+        tables = tick_tables(rows, S, [x > 0 for x in per_micro], channels, delay)
         mail = sum((tables.mail_slots[c] + 1) * n for c, n in message.items())  # + a spare row
         wires = {}
         for (d, _), n in message.items():
             wires[d] = max(wires.get(d, 0.0), n)
         pool = (tables.keep_slots + 1) * max(per_micro)
         if len(members) < S:
-            rows = ticks(sch)
             fwd = {(s, m): t for t, s, m, ph in rows if ph == "F"}
             bwd = {(s, m): t for t, s, m, ph in rows if ph == "B"}
             live = [max([0] + [sum(1 for (x, m), f in fwd.items() if x == s and f <= t <= bwd[x, m])
