@@ -1523,3 +1523,38 @@ def test_a_v_shaped_pipeline_is_priced_with_its_ends_on_one_island():
     for spans in by_group.values():  # never two works at once on a group
         spans.sort()
         assert all(a[1] <= b[0] + 1e-12 for a, b in zip(spans, spans[1:]))
+
+
+@pytest.mark.slow  # traces GPT-2-medium and searches its V shapes (~40 s): run by .ci/run
+def test_the_v_search_prices_each_island_pair_s_best_cuts_under_every_schedule():
+    """The V search ranks cuts under plain 1F1B, whose warm-up is fixed; a V whose stages
+    need deeper warm-ups ranks low there and best under hetero-1F1B. On the target row
+    (GPT-2-medium, 8 A100 + 8 V100 over 10 Gbps) every dozen best under 1F1B has the
+    V100s at the ends, and a V with the A100s at the ends (cuts found by hand, the
+    pair's third best under 1F1B at 8 microbatches) prices better free-running: the
+    search must keep each group pair's best few to find it."""
+    from hapsynth.ir.unroll import state_inputs, unroll, unrollable
+    from hapsynth.synth import pipeline as P
+
+    cluster = hs.Cluster.load("a100x8-v100x8-islands-10g")
+    step, args = get("gpt", "medium", devices=cluster.num_devices)
+    n = len(jax.tree.leaves(args[:state_arity(step, args)]))
+    prog = trace(step, *args)
+    if unrollable(prog, n):  # as `pipeline="auto"` cuts it: layer by layer
+        prog = unroll(prog, n)
+        n = state_inputs(prog, n)
+    graph = lift_program(prog)
+    dp = data_parallel_plan(graph, cluster, num_state_leaves=n, data_inputs=graph.inputs[n:])
+    regions = analyse(graph, dp.tensor_layouts, dp.op_inputs, n)
+    parts, island = stage_parts(cluster)
+    a100 = next(k for k, p in enumerate(parts)
+                if cluster.classes[cluster.class_of(p[0])].name.startswith("A100"))
+    found = P.plan_vshape(graph, cluster, regions, dp.tensor_layouts, n,
+                          kinds=("hetero-1f1b",), free_running=True)
+    costs = P._Costs(graph, cluster, regions, P.stage_groups(cluster)[0], dp.tensor_layouts)
+    ev = P._Evaluator(graph, cluster, regions, n, costs, dp.tensor_layouts, free_running=True)
+    vee = (a100, 1 - a100, a100)
+    witness = ev.price(vee, (1228, 1846), 8, "hetero-1f1b")
+    assert witness.fits and witness.ops[1] > 0
+    assert ev.price(vee, (1228, 1846), 8, "1f1b").step > 1.15 * witness.step
+    assert found.fits and found.step <= witness.step + 1e-12

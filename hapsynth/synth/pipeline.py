@@ -308,7 +308,7 @@ def plan_pipeline(graph: Graph, cluster: Cluster, regions: Regions, layouts, num
 
 
 def plan_vshape(graph: Graph, cluster: Cluster, regions: Regions, layouts,
-                num_state_leaves: int, kinds=SCHEDULES, keep: int = 200,
+                num_state_leaves: int, kinds=SCHEDULES, keep: int = 200, few: int = 4,
                 free_running: bool = False) -> Pipeline | None:
     """A what-if, not yet lowered: the best V-shaped pipeline found, its first and last
     stages on one group of devices (`stage_parts`) and the middle stage on another, so
@@ -317,8 +317,10 @@ def plan_vshape(graph: Graph, cluster: Cluster, regions: Regions, layouts,
     runs one work at a time; in lock step a tick runs one work per stage, the group's
     two one after another); per group pair and microbatch count, the `keep` cuts of the
     least of a rough measure (the busiest group's work, or both cuts' bytes over the link)
-    are priced under plain 1F1B, and the best dozen under `kinds`. None where no two
-    islands exist."""
+    are priced under plain 1F1B, and under `kinds` the best dozen of all and the best
+    `few` of each group pair and microbatch count (plain 1F1B's warm-up is fixed, so a
+    pair whose stages need deeper warm-ups than it gives may rank low under it while
+    hetero-1F1B prices it best). None where no two islands exist."""
     parts, island = stage_parts(cluster)
     if cluster.num_islands < 2:
         return None
@@ -330,7 +332,8 @@ def plan_vshape(graph: Graph, cluster: Cluster, regions: Regions, layouts,
     spans = _spans(costs.ranked[1], combos)
     # each direction of the link carries both boundaries' bytes (one forward, one back)
     crossing = _crossing(graph, regions, points)[np.searchsorted(points, combos)].sum(axis=1)
-    first = []  # every cut's price under plain 1F1B; the best few under every schedule
+    first, best = [], []  # every cut's price under plain 1F1B; the best few of each pair
+    # and microbatch count, and of all, under every schedule
     for o, v in itertools.permutations(range(len(parts)), 2):
         if island[o] == island[v]:
             continue
@@ -340,12 +343,16 @@ def plan_vshape(graph: Graph, cluster: Cluster, regions: Regions, layouts,
             outer = (pre[o][spans[:, 1]] - pre[o][spans[:, 0]]
                      + pre[o][spans[:, 3]] - pre[o][spans[:, 2]])
             busiest = np.maximum(outer, pre[v][spans[:, 2]] - pre[v][spans[:, 1]]) * M
+            mine = []
             for k in np.argsort(np.maximum(busiest, crossing / beta), kind="stable")[:keep]:
                 cuts = tuple(int(c) for c in combos[k])
                 p = evaluator.price((o, v, o), cuts, M, "1f1b")
                 if p is not None:
-                    first.append(((not p.fits, p.step), (o, v, o), cuts, M))
-    return _cheapest(evaluator, [x[1:] for x in sorted(first)[:12]], kinds)
+                    mine.append(((not p.fits, p.step), (o, v, o), cuts, M))
+            first += mine
+            best += sorted(mine)[:few]
+    picked = [x[1:] for x in sorted(first)[:12] + best]
+    return _cheapest(evaluator, list(dict.fromkeys(picked)), kinds)
 
 
 def _whole_stage(costs, S: int) -> list:
