@@ -183,3 +183,13 @@ def process_barrier(name: str, timeout_s: float = 600.0) -> None:
     client = getattr(distributed.global_state, "client", None)
     if client is not None:
         client.wait_at_barrier(name, timeout_in_ms=int(timeout_s * 1000))
+
+
+def moves_across_processes() -> bool:
+    """Whether `jax.device_put` may move an array to devices of another process
+    (multi-controller JAX's cross-host transfers): the backend does it, or
+    `jax_cross_host_transfer_socket_address` is set (DCN transfers through sockets)."""
+    from jax._src import xla_bridge
+    if xla_bridge.CROSS_HOST_TRANSFER_SOCKET_ADDRESS.value:
+        return True
+    return bool(getattr(xla_bridge.get_backend(), "supports_cross_host_transfers", False))

@@ -15,6 +15,8 @@ from hapsynth.ir.remat import cannot_fit, describe, rematerialize, room
 from hapsynth.ir.signature import of_graph
 from hapsynth.ir.views import fold_batch_splits
 from hapsynth.lower.devices import local_devices
+from hapsynth.lower.freerun import FreeRunning
+from hapsynth.synth.pipeline import RUNTIMES
 from hapsynth.lower.pipeline import Pipelined
 from hapsynth.lower.program import Lowered
 from hapsynth.lower.values import Sharded
@@ -116,7 +118,8 @@ def considers_pipeline(cluster, pipeline, strategy: str = "auto") -> bool:
 
 
 def make_plan(graph, cluster, *, num_state_leaves: int, data_inputs, strategy: str = "auto",
-              shares=None, pipeline=False, straight=None, **options) -> Plan:
+              shares=None, pipeline=False, straight=None, pipeline_runtime="ticks",
+              **options) -> Plan:
     """A synthesized plan (`strategy="auto"`, `options` as in `synthesize.Options`), or data
     parallelism (`"data-parallel"`, at FLOP/s-proportional `shares` unless given); with
     `pipeline` ("auto" or True) a pipeline across islands is considered too, cut in
@@ -132,7 +135,8 @@ def make_plan(graph, cluster, *, num_state_leaves: int, data_inputs, strategy: s
             spmd, unfit = None, err
         return with_pipeline(graph, cluster, spmd, num_state_leaves=num_state_leaves,
                              data_inputs=data_inputs, pipeline=pipeline, straight=straight,
-                             min_gain=options.get("min_gain", Options.min_gain), unfit=unfit)
+                             min_gain=options.get("min_gain", Options.min_gain), unfit=unfit,
+                             runtime=pipeline_runtime)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if strategy == "data-parallel":
@@ -375,7 +379,7 @@ class Parallelized:
     def __init__(self, train_step, cluster: Cluster, *, donate_argnums=(), time_limit: float = 10.0,
                  seed: int = 0, workers: int = 2, strategy: str = "auto", shares=None,
                  min_gain: float = 0.05, plan: Plan | None = None, verbose: bool | None = None,
-                 pipeline="auto", devices="auto", remat="auto"):
+                 pipeline="auto", devices="auto", remat="auto", pipeline_runtime="ticks"):
         self.train_step = train_step
         self.given_plan = plan  # a saved plan to use instead of synthesising (checked)
         self.cluster = cluster if isinstance(cluster, Cluster) else Cluster.load(cluster)
@@ -384,12 +388,15 @@ class Parallelized:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         check_pipeline(pipeline)
+        if pipeline_runtime not in RUNTIMES:
+            raise ValueError(f"pipeline_runtime must be one of {', '.join(RUNTIMES)}, "
+                             f"got {pipeline_runtime!r}")
         check_devices(devices)
         check_remat(remat)
         self.options = {"time_limit": time_limit, "seed": seed, "workers": workers,
                         "strategy": strategy, "shares": shares,
                         "min_gain": min_gain, "pipeline": pipeline, "devices": devices,
-                        "remat": remat}
+                        "remat": remat, "pipeline_runtime": pipeline_runtime}
         self._plans: dict = {}
         self._programs: dict = {}
         self._lowered: dict = {}
@@ -424,6 +431,10 @@ class Parallelized:
         key = signature_of(args)
         if key not in self._lowered:
             plan = self.plan(*args)
+            if plan.stages and plan.pipeline.get("runtime") == "free":
+                self._lowered[key] = FreeRunning(self._programs[key], plan,
+                                                 local_devices(self.cluster))
+                return self._lowered[key]
             if plan.stages:
                 self._lowered[key] = Pipelined(self._programs[key], plan,
                                                local_devices(self.cluster),

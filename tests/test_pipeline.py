@@ -1460,7 +1460,7 @@ def test_the_search_finds_the_best_cut_under_its_own_prices(fast, slow, kind):
 
 
 def test_a_v_shaped_pipeline_is_priced_with_its_ends_on_one_island():
-    """A what-if (`plan_vshape`, not lowered): the first and last stages on one island, the
+    """`plan_vshape` (run free only, `lower/freerun.py`): the first and last stages on one island, the
     middle on the other. The tied embedding's two ends then share devices, so nothing of
     it crosses (the straight pipeline copies it over the link first); the island running
     two stages runs one work at a time (in lock step, a tick runs one work per stage, the
@@ -1507,7 +1507,7 @@ def test_a_v_shaped_pipeline_is_priced_with_its_ends_on_one_island():
                                                   + vee.forward[2] + vee.backward[2])
     held = ev.scan((0, 1, 0), vee.cuts)["held"]
     assert vee.memory[0] >= packed_bytes([held[0] + held[2], held[1]], APART_BYTES)
-    with pytest.raises(ValueError, match="what-if"):
+    with pytest.raises(ValueError, match="runs free only"):  # not in one tick loop
         P.as_plan(vee, dp, dp, cluster)
     # in lock step a tick runs one work per stage, a group's stages one after another
     rows = ticks(vee.schedule)

@@ -47,9 +47,15 @@ from hapsynth.synth.slots import (APART_BYTES, packed_bytes, sum_bytes, sum_dtyp
 from hapsynth.synth.stages import Regions, stage_of
 
 __all__ = ["Pipeline", "plan_pipeline", "plan_vshape", "rows_of", "islands_of", "stage_parts",
-           "stage_groups"]
+           "stage_groups", "runs_free", "RUNTIMES"]
 
 SCHEDULES = ("gpipe", "1f1b", "hetero-1f1b")
+
+#: How a pipeline plan runs: "ticks", one SPMD program stepping its schedule's tick table
+#: (`lower.pipeline.Pipelined`: every stage meets the others at each tick's crossing,
+#: across processes too); "free", a program per stage and phase, each dispatched once its
+#: inputs are there (`lower.freerun.FreeRunning`: priced free-running; one process).
+RUNTIMES = ("ticks", "free")
 
 #: Seconds each op costs beyond its work, per run (a kernel launch on a GPU, a thunk of
 #: XLA's CPU runtime). SPMD plans run every op once, so it does not tell them apart; a
@@ -804,15 +810,28 @@ def late_ticks(sch: PipeSchedule) -> list[tuple[int, int, int, str]]:
                        if sch.group(s) != sch.group(s + 1)})
 
 
-def as_plan(pipe: Pipeline, dp: Plan, spmd: Plan, cluster: Cluster) -> Plan:
+def runs_free(pipe: Pipeline) -> bool:
+    """Whether the free-running runtime runs `pipe`: every stage on as many devices, each
+    holding as many rows of a microbatch (a device's values cross to the device of the
+    same place in the next stage)."""
+    return len({len(r) for r in pipe.rows}) == 1 and len({x for r in pipe.rows for x in r}) == 1
+
+
+def as_plan(pipe: Pipeline, dp: Plan, spmd: Plan, cluster: Cluster, runtime: str = "ticks") -> Plan:
     """The pipeline as a `Plan`: the data-parallel plan's layouts (each stage runs its ops
     at them, per microbatch), the pipeline's price, stages and schedule; `spmd` (the best
-    SPMD-only plan) gives the baselines, with its own time as "SPMD"."""
+    SPMD-only plan) gives the baselines, with its own time as "SPMD". `runtime`: "ticks"
+    (one SPMD program stepping the schedule's tick table, `lower.pipeline.Pipelined`) or
+    "free" (a program per stage and phase, each run once its inputs are there,
+    `lower.freerun.FreeRunning`: `pipe` priced free-running; it may run several stages on
+    one group of devices)."""
     from dataclasses import replace
 
-    if pipe.place:
+    if runtime not in RUNTIMES:
+        raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
+    if pipe.place and runtime != "free":
         raise ValueError(f"a pipeline running several stages on one group of devices "
-                         f"({pipe.order}) is a what-if: the lowering does not run it")
+                         f"({pipe.order}) runs free only (runtime='free'), not in ticks")
     M = pipe.micros
     names = [c.name for c in cluster.classes]
     islands, of = stage_groups(cluster)
@@ -846,7 +865,7 @@ def as_plan(pipe: Pipeline, dp: Plan, spmd: Plan, cluster: Cluster) -> Plan:
                 "head": float(pipe.head), "send": [float(x) for x in pipe.send],
                 "send_back": [float(x) for x in pipe.send_back],
                 "by_kind": {k: float(v) for k, v in pipe.by_kind.items()},
-                "delay": int(pipe.delay)}
+                "delay": int(pipe.delay), "runtime": runtime}
     compute = max(M * (f + b) for f, b in zip(pipe.forward, pipe.backward))
     return replace(
         dp, predicted_step_time=float(pipe.step), chosen="pipeline", ratios=ratios,

@@ -255,7 +255,7 @@ def _number(x):
 def with_pipeline(graph: Graph, cluster: Cluster, spmd: Plan | None, *, num_state_leaves: int,
                   data_inputs, pipeline, min_gain: float = 0.05,
                   unfit: InfeasibleMemory | None = None,
-                  straight: tuple[Graph, int] | None = None) -> Plan:
+                  straight: tuple[Graph, int] | None = None, runtime: str = "ticks") -> Plan:
     """`pipeline="auto"`: a pipeline across the cluster's islands when it prices `min_gain`
     faster than `spmd` (the best SPMD-only plan; None when none fits) and fits (a pipeline
     is the more complex program, as data parallelism is kept over a plan barely faster),
@@ -264,10 +264,14 @@ def with_pipeline(graph: Graph, cluster: Cluster, spmd: Plan | None, *, num_stat
     whatever it prices (an error saying why when there is none). The plan's
     `baselines["SPMD"]` is the SPMD-only time; `solver["pipeline"]` says what was decided.
     `straight`: (graph, state leaves) of the step with its loops written out, where
-    stages are cut (the plan then runs that program: `pipeline["unrolled"]`)."""
+    stages are cut (the plan then runs that program: `pipeline["unrolled"]`). `runtime`
+    "free": pipelines priced free-running, V shapes among them, are candidates too where
+    `FreeRunning` runs them (`synth.pipeline.RUNTIMES`; the plan's `pipeline["runtime"]`
+    says which runs it)."""
     from dataclasses import replace
 
-    from hapsynth.synth.pipeline import as_plan, plan_pipeline, stage_groups
+    from hapsynth.synth.pipeline import (RUNTIMES, as_plan, plan_pipeline, plan_vshape,
+                                         runs_free, stage_groups)
     from hapsynth.synth.stages import NotPipelineable, analyse
 
     def keep(why: str) -> Plan:
@@ -295,8 +299,20 @@ def with_pipeline(graph: Graph, cluster: Cluster, spmd: Plan | None, *, num_stat
         return keep(f"not pipelineable: {e}")
     progress.phase("pipeline")
     # (one stage over every device, gradient accumulation, is no pipeline to ask for)
+    if runtime not in RUNTIMES:
+        raise ValueError(f"pipeline_runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
     pipe = plan_pipeline(graph, cluster, regions, dp.tensor_layouts, num_state_leaves,
                          whole=pipeline is not True)
+    free = None
+    if runtime == "free":  # (one stage over every device is no pipeline to run free)
+        found = [plan_pipeline(graph, cluster, regions, dp.tensor_layouts, num_state_leaves,
+                               whole=False, free_running=True),
+                 plan_vshape(graph, cluster, regions, dp.tensor_layouts, num_state_leaves,
+                             free_running=True)]
+        found = [p for p in found if p is not None and p.fits and runs_free(p)]
+        free = min(found, key=lambda p: p.step, default=None)
+        if free is not None and (pipe is None or not pipe.fits or free.step < pipe.step):
+            pipe = free
     if pipe is None:
         return keep("no stage cut: too few parameters or microbatches for the islands")
     if not pipe.fits:
@@ -315,10 +331,11 @@ def with_pipeline(graph: Graph, cluster: Cluster, spmd: Plan | None, *, num_stat
                     f"{pipe.step:.4g} s ({pipe.kind}, {pipe.micros} microbatches)")
     if spmd is None:
         spmd = replace(dp, predicted_step_time=float("nan"))
-    plan = as_plan(pipe, dp, spmd, cluster)
+    plan = as_plan(pipe, dp, spmd, cluster, runtime="free" if pipe is free else "ticks")
     if straight is not None:  # the program `ir.unroll` makes of the step's first leaves
         plan = replace(plan, pipeline={**plan.pipeline, "unrolled": written_out})
-    what = "pipelined" if len(pipe.order) > 1 else "gradient accumulation over every device"
+    what = ("gradient accumulation over every device" if len(pipe.order) == 1 else
+            "pipelined, running free" if pipe is free else "pipelined")
     return replace(plan, solver={**plan.solver, "pipeline": (
         f"{what}: {pipe.step:.4g} s ({pipe.kind}, {pipe.micros} microbatches) vs SPMD-only "
         f"{spmd.predicted_step_time:.4g} s")})

@@ -1,0 +1,299 @@
+"""`FreeRunning`: a pipeline plan run free, a program per stage and phase.
+
+`Pipelined` runs a plan as one SPMD program whose tick loop meets every stage at each
+tick's crossing (lock step). Here each stage's forward, and its backward, of one
+microbatch is a `jax.jit` program of its own on the stage's devices; values move between
+stages by `jax.device_put`, and every program is dispatched in the schedule's order
+without waiting: the runtime starts each as soon as its inputs are there, so an island
+runs its next work while the last one's values cross, as the free-running price assumes
+(`synth.pipeline`, `free_running=True`). One group of devices may run several stages (a
+V shape: both ends on one island, nothing of them crossing). A stage's program runs at
+the whole microbatch, its rows split evenly over the stage's devices where they divide
+(XLA partitions the rest); its partial sums (gradients, the loss) add up over the
+microbatches, in float32 where narrower; then the once-per-step ops run per stage in
+rounds, a value made on one stage crossing to the next round of another.
+
+Across processes (islands on other hosts; `jax.distributed`) every process runs this
+same dispatch: each program runs on the devices a process has of it and nothing
+elsewhere, and `jax.device_put` between two stages' devices moves the values from the
+processes holding them to those receiving them (multi-controller JAX's cross-host
+transfers: the backend's own, or through sockets where
+`jax_cross_host_transfer_socket_address` is set). The step's results lie on the devices
+of the stage making them; `hs.gather` brings them to every process.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as PS
+
+from hapsynth._jax import moves_across_processes
+from hapsynth.ir.signature import of_program
+from hapsynth.ir.trace import Const, Program
+from hapsynth.lower import cpu
+from hapsynth.lower.values import STAGE_DEVICES, Sharded, Staged, unshard
+from hapsynth.lower.wiring import StageWiring
+from hapsynth.synth.plan import Plan
+from hapsynth.synth.slots import sum_dtype
+
+__all__ = ["FreeRunning"]
+
+DATA = "data"
+
+
+class FreeRunning(StageWiring):
+    """A pipeline plan bound to a traced program and the devices of one process."""
+
+    def __init__(self, prog: Program, plan: Plan, devices):
+        plan.check(of_program(prog))
+        super().__init__(prog, plan)
+        if prog.split:
+            raise NotImplementedError("a free-running pipeline of a step whose state is read "
+                                      "as rows (a stack scanned over)")
+        owners = [{devices[d].process_index for d in st["devices"]} for st in plan.stages]
+        if len(set().union(*owners)) > 1 and not moves_across_processes():
+            raise RuntimeError(
+                "a free-running pipeline over several processes moves values between them "
+                "with jax.device_put: set jax.config.update('jax_cross_host_transfer_socket_"
+                "address', 'HOST:PORT') (this process's address) before JAX starts, or use "
+                "pipeline_runtime='ticks'")
+        self.meshes = [Mesh(np.array([devices[d] for d in st["devices"]]), (DATA,))
+                       for st in plan.stages]
+        STAGE_DEVICES.update(frozenset(d.id for d in m.devices.flat) for m in self.meshes)
+        r, prog = self.r, self.prog
+        self.made_in = {t: "F" if r.forward[i] else "B" for i, e in enumerate(prog.eqns)
+                        for t in e.outputs}
+        # per (stage, phase): the phases whose values it reads (they run first)
+        self.sources = {(s, ph): sorted({(a, pha) for (a, pha), dests in self.sends.items()
+                                         if (s, ph) in dests} | ({(s, "F")} if ph == "B" else set()))
+                        for s in range(self.S) for ph in "FB"}
+        self.order = self._order(plan.pipeline["slots"])
+        sizes = {len(st["devices"]) for st in plan.stages}
+        rows = {r for st in plan.stages for r in st["rows"]}
+        if len(sizes) != 1 or len(rows) != 1:
+            raise NotImplementedError(
+                f"a free-running pipeline whose stages hold unequal device counts or rows "
+                f"({[list(st['rows']) for st in plan.stages]}): a device's values cross to "
+                f"the device of the same place in the next stage")
+        self._works = {key: self._work(*key) for key in self.sources}
+        self._sums: dict = {}
+        self._rounds()
+
+    # -- what runs when -------------------------------------------------------------------
+    def _order(self, slots) -> list[tuple[int, int, str]]:
+        """The works in the schedule's order (by simulated start), each after what it reads."""
+        want = {(s, m, ph) for s in range(self.S) for m in range(self.M) for ph in "FB"}
+        listed = [(int(s), int(m), str(ph)) for s, m, ph, *_ in
+                  sorted(slots, key=lambda x: (float(x[3]), float(x[4]), int(x[0])))]
+        if set(listed) != want or len(listed) != len(want):
+            raise ValueError("the plan's schedule does not run every stage's forward and "
+                             "backward of every microbatch once")
+        done, out, waiting = set(), [], list(listed)
+        while waiting:
+            for k, (s, m, ph) in enumerate(waiting):
+                if all((a, m, pha) in done for a, pha in self.sources[(s, ph)]):
+                    break
+            else:
+                raise ValueError("the plan's schedule waits on itself")
+            done.add(waiting.pop(k))
+            out.append((s, m, ph))
+        return out
+
+    def _row_start(self, s, micro):
+        return micro * self.mb + jax.lax.axis_index(DATA) * self.rows[s][0]
+
+    # -- the programs ---------------------------------------------------------------------
+    def _work(self, s, ph):
+        """Stage s's phase `ph` of one microbatch, each device at its rows: (microbatch,
+        state, data, received, sums) -> (sums with its own added, what it keeps for its
+        backward, what it sends). What a device holds of a microbatch's values crosses
+        with a leading axis of the stage's devices (device k of one stage to device k of
+        the next), so any layout does; sums stay each device's own until the step's end."""
+        sums = [t for t in self.acc[s] if self.made_in[t] == ph]
+        keep = self.keeps[s] if ph == "F" else []
+        sent = sorted({x for xs in self.sends.get((s, ph), {}).values() for x in xs})
+        ops, rows = self.core[(s, ph)], self.rows[s][0]
+
+        def fn(m, state, data, received, acc):
+            known = {**state, **data, **{t: v[0] for t, v in received.items()}}
+            env: dict = {}
+            run = self._evaluator(s, rows, m, env, lambda x: known[x])
+            for i in ops:
+                run(i)
+            new = {t: acc[t] + env[t].astype(acc[t].dtype)[None] for t in sums}
+            kept = {t: (env[t] if t in env else known[t])[None] for t in keep}
+            return new, kept, {t: env[t][None] for t in sent}
+
+        own, whole = PS(DATA), PS()
+        return jax.jit(jax.shard_map(fn, mesh=self.meshes[s], in_specs=(whole, whole, whole, own, own),
+                                     out_specs=own, check_vma=False), donate_argnums=(4,))
+
+    def _rounds(self):
+        """The once-per-step ops in rounds: an op runs in the round after the last one
+        making a value it reads on another stage (sums count as made in round 0)."""
+        prog = self.prog
+        where: dict = {t: (s, 0) for s in range(self.S) for t in self.acc[s]}
+        level: dict = {}
+        for i in sorted(i for ids in self.post.values() for i in ids):
+            s = self.stage[i]
+            level[i] = max([0] + [where[x][1] + (where[x][0] != s) for x in prog.eqns[i].inputs
+                                  if isinstance(x, int) and x in where])
+            for t in prog.eqns[i].outputs:
+                where[t] = (s, level[i])
+        self.where, self.level = where, level
+        later = {x for ids in self.post.values() for i in ids for x in prog.eqns[i].inputs
+                 if isinstance(x, int)} | {o for o in prog.outputs if isinstance(o, int)}
+        self._post = {}
+        for k in sorted(set(level.values())):
+            for s in range(self.S):
+                ops = [i for i in self.post[s] if level[i] == k]
+                if ops:
+                    made = [t for i in ops for t in prog.eqns[i].outputs if t in later]
+                    self._post[(k, s)] = jax.jit(self._evaluate(s, ops, made))
+        # per stage, the state leaves it stores and the outputs it makes (once the rounds ran)
+        outs = prog.outputs
+        self.stores = {s: [p for p in range(self.nstate) if self.owner[p] == s]
+                       for s in range(self.S)}
+        self.results = [o for o in outs[self.nstate:] if not isinstance(o, Const)]
+        self.made_on = {o: where[o][0] if o in where else self.out_stage.get(o, 0)
+                        for o in self.results}
+        self._final = {s: jax.jit(self._evaluate(s, [], [
+            *[outs[p] for p in self.stores[s] if isinstance(outs[p], int)],
+            *[o for o in self.results if self.made_on[o] == s]])) for s in range(self.S)}
+
+    def _evaluate(self, s, ops, wanted):
+        """Ops once per step, whole, on stage s: (its values by id) -> `wanted` by id
+        (made by `ops`, or by ops of no stage from what it holds)."""
+        def fn(known):
+            env: dict = {}
+            run = self._evaluator(s, None, None, env, lambda x: known[x])
+            for i in ops:
+                run(i)
+            out = {}
+            for t in wanted:
+                if t not in env and t not in known:
+                    run(self.producer[t])
+                out[t] = env[t] if t in env else known[t]
+            return out
+        return fn
+
+    # -- running it -----------------------------------------------------------------------
+    def _put(self, x, s):
+        return jax.device_put(x, NamedSharding(self.meshes[s], PS()))
+
+    def _summed(self, s, acc) -> dict:
+        """The sums of a stage's devices, each whole on every one, in their own dtypes."""
+        key = (s, tuple(acc))
+        if key not in self._sums:
+            avals = self.prog.avals
+            self._sums[key] = jax.jit(lambda a: {t: v.sum(0).astype(avals[t].dtype)
+                                                 for t, v in a.items()},
+                                      out_shardings=NamedSharding(self.meshes[s], PS()))
+        return self._sums[key](acc)
+
+    def run(self, leaves):
+        """One step on the flattened arguments (arrays; `hs.Sharded` or `hs.Staged` leaves
+        are gathered first); the new state comes back on each leaf's stage."""
+        prog, S = self.prog, self.S
+        leaves = self._plain(leaves)
+        if len(leaves) != len(prog.inputs):
+            raise ValueError(f"expected {len(prog.inputs)} array leaves, got {len(leaves)}")
+        whole = [NamedSharding(m, PS()) for m in self.meshes]
+        state = [{} for _ in range(S)]  # per stage, the state leaves it reads, by id
+        for p in range(self.nstate):
+            for s in {self.owner[p], *[s for s in range(S) if p in self.copies[s]]}:
+                state[s][prog.inputs[p]] = jax.device_put(leaves[p], whole[s])
+        data = [{} for _ in range(S)]
+        for s in range(S):
+            got = {t: jax.device_put(jnp.asarray(leaves[i]), whole[s])
+                   for t, i in self.data.items() if i >= 0}
+            if self.data_ops:
+                got = self._data_values(s, got)
+            data[s] = got
+        own = [NamedSharding(m, PS(DATA)) for m in self.meshes]
+        acc = [{ph: {t: jax.device_put(np.zeros((self.meshes[s].devices.size, *prog.avals[t].shape),
+                                                sum_dtype(prog.avals[t].dtype)), own[s])
+                     for t in self.acc[s] if self.made_in[t] == ph} for ph in "FB"}
+               for s in range(S)]
+        inbox: dict = {}
+        kept: dict = {}
+        for s, m, ph in self.order:
+            received = inbox.pop((s, ph, m), {})
+            if ph == "B":
+                received.update(kept.pop((s, m)))
+            acc[s][ph], keep, sent = self._works[(s, ph)](np.int32(m), state[s], data[s],
+                                                          received, acc[s][ph])
+            if ph == "F":
+                kept[(s, m)] = keep
+            for (b, phb), xs in self.sends.get((s, ph), {}).items():
+                box = inbox.setdefault((b, phb, m), {})
+                for x in xs:
+                    box[x] = jax.device_put(sent[x], own[b])
+        # once per step: the sums, then the rounds
+        avail = [{**state[s], **data[s]} for s in range(S)]
+        for s in range(S):
+            for ph in "FB":
+                avail[s].update(self._summed(s, acc[s][ph]))
+        for (k, s), fn in self._post.items():
+            for i in self.post[s]:
+                if self.level[i] != k:
+                    continue
+                for x in prog.eqns[i].inputs:
+                    if isinstance(x, int) and x in self.where and self.where[x][0] != s \
+                            and x not in avail[s]:
+                        avail[s][x] = self._put(avail[self.where[x][0]][x], s)
+            avail[s].update(fn(avail[s]))
+        outs = prog.outputs
+        for s in range(S):  # what the last round made elsewhere, for a state leaf or output
+            for o in [outs[p] for p in self.stores[s]] + [o for o in self.results
+                                                          if self.made_on[o] == s]:
+                if isinstance(o, int) and o not in avail[s]:
+                    src = self.where.get(o, (None,))[0]
+                    if src is not None and o in avail[src]:
+                        avail[s][o] = self._put(avail[src][o], s)
+                    elif o in self.leaf and o not in avail[s]:
+                        avail[s][o] = jax.device_put(leaves[self.leaf[o]], whole[s])
+        final = [self._final[s](avail[s]) for s in range(S)]
+        new = []
+        for p in range(self.nstate):
+            o, s = outs[p], self.owner[p]
+            new.append(jax.device_put(jnp.broadcast_to(jnp.asarray(o.value), o.aval.shape),
+                                      whole[s]) if isinstance(o, Const) else final[s][o])
+        results = [jnp.asarray(o.value) if isinstance(o, Const) else final[self.made_on[o]][o]
+                   for o in outs[self.nstate:]]
+        return jax.tree.unflatten(prog.out_tree, new + results)
+
+    def _data_values(self, s, inputs):
+        if not hasattr(self, "_data_fns"):
+            self._data_fns = {}
+        if s not in self._data_fns:
+            prog = self.prog
+
+            def fn(vals):
+                vals = dict(vals)
+                for i in self.data_ops:
+                    eqn = prog.eqns[i]
+                    ins = [x.value if isinstance(x, Const) else vals[x] for x in eqn.inputs]
+                    vals.update(zip(eqn.outputs, cpu.bind(eqn.primitive, ins, eqn.params)))
+                return vals
+            self._data_fns[s] = jax.jit(fn)
+        return self._data_fns[s](inputs)
+
+    def shard(self, *args):
+        """The arguments as this program reads them: each state leaf whole on its stage's
+        devices (the data goes to every stage's devices at each step)."""
+        leaves, tree = jax.tree.flatten(args, is_leaf=lambda v: isinstance(v, (Sharded, Staged)))
+        leaves = self._plain(leaves)
+        return jax.tree.unflatten(tree, [
+            jax.device_put(x, NamedSharding(self.meshes[self.owner[p]], PS()))
+            if p < self.nstate else jnp.asarray(x) for p, x in enumerate(leaves)])
+
+    @staticmethod
+    def _plain(leaves) -> list:
+        return [unshard(x) if isinstance(x, Sharded) else x.value() if isinstance(x, Staged)
+                else x for x in leaves]
+
+    def __call__(self, *args):
+        return self.run(jax.tree.flatten(args, is_leaf=lambda v: isinstance(v, (Sharded, Staged)))[0])

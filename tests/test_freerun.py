@@ -1,0 +1,161 @@
+"""A pipeline run free (`lower/freerun.py`): a program per stage and phase, dispatched in
+the schedule's order, values moved between stages by `jax.device_put`."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+import hapsynth as hs
+from hapsynth.api import state_arity
+from hapsynth.lower.devices import local_devices
+from hapsynth.lower.freerun import FreeRunning
+from hapsynth.models import get
+from hapsynth.synth import pipeline as P
+from test_lowering import compare
+from test_pipeline import _regions, four_islands, two_islands
+
+WORKER = Path(__file__).with_name("freerun_worker.py")
+
+
+def _free_plan(step, args, cluster, shape: str):
+    """The best pipeline priced free-running of that shape ("straight" or "V") as a plan
+    run free."""
+    graph, dp, regions, n = _regions(step, args, cluster)
+    if shape == "V":
+        pipe = P.plan_vshape(graph, cluster, regions, dp.tensor_layouts, n, free_running=True)
+    else:
+        pipe = P.plan_pipeline(graph, cluster, regions, dp.tensor_layouts, n, whole=False,
+                               free_running=True)
+    return pipe, P.as_plan(pipe, dp, dp, cluster, runtime="free")
+
+
+@pytest.mark.parametrize("model,shape", [
+    ("mlp", "straight"), ("bert", "V"), ("gpt", "V"),
+    pytest.param("gpt", "straight", marks=pytest.mark.slow),
+    pytest.param("bert", "straight", marks=pytest.mark.slow)])
+def test_free_running_pipelines_equal_one_device(model, shape):
+    """3 steps equal `jax.jit` on one device; 2 stages over two islands of 4 devices, or a
+    V (the first and last stages on one island: GPT's tied embedding stays there)."""
+    step, args = get(model, "tiny")
+    cluster = two_islands()
+    pipe, plan = _free_plan(step, args, cluster, shape)
+    assert plan.pipeline["runtime"] == "free"
+    assert len(plan.stages) == (3 if shape == "V" else 2)
+    if shape == "V":
+        assert plan.stages[0]["devices"] == plan.stages[2]["devices"] != plan.stages[1]["devices"]
+        assert plan.stages[1]["ops"] > 0 and plan.stages[0]["ops"] + plan.stages[2]["ops"] > 0
+    par = hs.parallelize(step, cluster=cluster, plan=hs.Plan.from_json(plan.to_json()))
+    low = par.lowered(*args)
+    assert isinstance(low, FreeRunning)
+    k = state_arity(step, args)
+    ref = jax.jit(step)
+    got = want = args
+    for _ in range(3):
+        want = ref(*want[:k], *args[k:])
+        got = par(*got[:k], *args[k:])
+        compare(hs.gather(got), want, rtol=2e-3)
+    # each state leaf comes back whole on the devices of the stage storing it
+    devices = local_devices(cluster)
+    for p, leaf in enumerate(jax.tree.leaves(got[:k])):
+        want_devs = {devices[d] for d in plan.stages[low.owner[p]]["devices"]}
+        assert leaf.sharding.device_set == want_devs and leaf.sharding.is_fully_replicated
+
+
+def test_each_work_runs_after_what_it_reads_in_its_group_s_simulated_order():
+    """The dispatch order: each work after the works whose values it reads (sends, and its
+    own forward for a backward), and on each group of devices the works in the order the
+    free-running simulation ran them (a device runs what it is given in that order)."""
+    step, args = get("bert", "tiny")
+    cluster = two_islands()
+    pipe, plan = _free_plan(step, args, cluster, "V")
+    par = hs.parallelize(step, cluster=cluster, plan=plan)
+    low = par.lowered(*args)
+    assert sorted(low.order) == sorted({(s, m, ph) for s in range(3) for m in range(pipe.micros)
+                                        for ph in "FB"})
+    at = {w: i for i, w in enumerate(low.order)}
+    for s, m, ph in low.order:
+        for a, pha in low.sources[(s, ph)]:
+            assert at[(a, m, pha)] < at[(s, m, ph)]
+    assert (2, "B") in {src for srcs in low.sources.values() for src in srcs}
+    group = pipe.schedule.group
+    for g in {group(s) for s in range(3)}:
+        simulated = [(x.stage, x.micro, x.phase) for x in sorted(
+            pipe.schedule.slots, key=lambda x: x.start) if group(x.stage) == g]
+        assert [w for w in low.order if group(w[0]) == g] == simulated
+
+
+def test_runtime_free_is_planned_where_it_prices_better_and_runs():
+    """`pipeline_runtime="free"` adds the free-running pipelines (V shapes too) to the
+    candidates: the plan prices no worse than the tick loop's, says which runtime runs
+    it and round-trips through JSON."""
+    step, args = get("gpt", "tiny")
+    cluster = two_islands()
+    ticks = hs.parallelize(step, cluster=cluster, pipeline=True, time_limit=1).plan(*args)
+    free = hs.parallelize(step, cluster=cluster, pipeline=True, time_limit=1,
+                          pipeline_runtime="free").plan(*args)
+    assert ticks.pipeline["runtime"] == "ticks"
+    assert free.pipeline["runtime"] == "free"
+    assert free.predicted_step_time < ticks.predicted_step_time
+    assert "running free" in free.solver["pipeline"]
+    assert json.loads(free.to_json())["pipeline"]["runtime"] == "free"
+    assert hs.Plan.from_json(free.to_json()) == free
+    with pytest.raises(ValueError, match="pipeline_runtime"):
+        hs.parallelize(step, cluster=cluster, pipeline_runtime="async")
+
+
+@pytest.mark.slow  # plans BERT over four islands twice (~30 s)
+def test_stages_holding_uneven_rows_run_in_the_tick_loop():
+    """Four islands, the first mixing an A100 and a V100: a stage there holds uneven rows,
+    which the free runtime does not run (a device's values cross to the device of the same
+    place in the next stage); `pipeline_runtime="free"` then plans for the tick loop."""
+    step, args = get("bert", "tiny")
+    mixed = hs.parallelize(step, cluster=four_islands(), pipeline=True, time_limit=1,
+                           pipeline_runtime="free").plan(*args)
+    rows = {r for st in mixed.stages for r in st["rows"]}
+    assert mixed.pipeline["runtime"] == "ticks" or len(rows) == 1
+    uneven = hs.parallelize(step, cluster=four_islands(), pipeline=True, time_limit=1).plan(*args)
+    assert any(len(set(st["rows"])) > 1 for st in uneven.stages)
+    with pytest.raises(NotImplementedError, match="rows"):
+        FreeRunning(*_program(step, args, four_islands(), uneven), local_devices(four_islands()))
+
+
+def _program(step, args, cluster, plan):
+    par = hs.parallelize(step, cluster=cluster, plan=plan)
+    par.plan(*args)
+    return par._programs[next(iter(par._programs))], plan
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow  # two processes (~20 s)
+def test_two_processes_run_a_pipeline_free():
+    """An island per `jax.distributed` process: every process dispatches every work, each
+    runs on its own devices, and values cross between the processes by `jax.device_put`;
+    3 steps of GPT (its tied embedding copied across) equal one-device `jit` on both."""
+    ports = [_free_port() for _ in range(3)]
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), str(ports[0]),
+                               str(ports[1 + i]), "gpt"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+             for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+        line = [ln for ln in out.splitlines() if ln.startswith("MAXERR")][-1]
+        assert float(line.split()[1]) < 2e-3, line
+        assert "RUNTIME free" in line and "LOWERED FreeRunning" in line, line
