@@ -73,7 +73,7 @@ def sweep(model: str, config: str, ratios, bandwidths, row: dict, time_limit: fl
             c = _islands(flops, flops / 10, ratio, {"bandwidth": bw, "latency": latency})
             spmd = plan(c, pipeline=False).predicted_step_time + fixed
             alone = plan(c.subset((0,)), pipeline=False).predicted_step_time + fixed
-            pipe = plan(c, pipeline=True)
+            pipe = plan(c, pipeline=True, pipeline_runtime="ticks")  # the harness runs ticks
             out.append({"ratio": ratio, "bandwidth": bw, "SPMD": spmd, "alone": alone,
                         "pipeline": pipe.predicted_step_time + fixed,
                         "micros": pipe.pipeline["micros"],

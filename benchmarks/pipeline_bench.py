@@ -151,7 +151,7 @@ def measure(model: str, config: str, ratio: float, reps: int, time_limit: float)
              f"link in a step {link['bandwidth'] / 1e6:.1f} MB/s")
     spmd = plan(cluster, pipeline=False)
     alone = plan(cluster.subset((0,)), pipeline=False)
-    pipe = plan(cluster, pipeline=True)
+    pipe = plan(cluster, pipeline=True, pipeline_runtime="ticks")  # (its branch hook)
     progress(f"planned: SPMD-only {spmd.predicted_step_time * 1e3:.1f} ms ({spmd.chosen}), "
              f"fast device alone {alone.predicted_step_time * 1e3:.1f} ms, "
              f"pipeline {pipe.predicted_step_time * 1e3:.1f} ms")

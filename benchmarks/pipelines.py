@@ -15,13 +15,15 @@ matters most; the columns before may find a cut where little crosses the slow li
 better still); "free-running" prices hetero-1F1B with every stage running its next
 work as soon as it is ready and every transfer and parameter copy under later work,
 instead of in the lowering's ticks (a tick lasts its longest work and then its longest
-transfer): what the lock step costs, not a plan the library runs; "accumulation over
-all" is one stage over every device, data parallel in microbatches (gradient
-accumulation across the islands, a candidate of `pipeline="auto"` too); "V-shaped" is a
-what-if the library does not lower yet (`synth.pipeline.plan_vshape`): the first and
-last stages on one island, the middle on another (a tied embedding's ends on one
-island), priced in lock step and free-running; "auto" is what
-`pipeline="auto"` returns. Rows
+transfer), as `pipeline_runtime="free"` runs a plan (`lower/freerun.py`: a program per
+stage and phase); "accumulation over all" is one stage over every device, data
+parallel in microbatches (gradient accumulation across the islands, a candidate of
+`pipeline="auto"` too); "V-shaped" (`synth.pipeline.plan_vshape`): the first and last
+stages on one island, the middle on another (a tied embedding's ends on one island),
+priced in lock step and free-running (run free only); "auto" is what `pipeline="auto"`
+returns with the default `pipeline_runtime="auto"` (one process drives every device
+here, so plans run free are candidates), "auto, tick loop only" with
+`pipeline_runtime="ticks"` (what runs across processes without cross-host transfers). Rows
 include where pipelines pay (large gradients, slow inter-island links) and where they
 do not (fast links; activations crossing a cut outweighing the gradients).
 """
@@ -94,6 +96,8 @@ def row(name: str, config: str, where, time_limit: float) -> dict:
     step, args = model(name, config, cluster.num_devices)
     t0 = time.perf_counter()
     auto = hs.parallelize(step, cluster=cluster, time_limit=time_limit, verbose=False).plan(*args)
+    ticked = hs.parallelize(step, cluster=cluster, time_limit=time_limit, verbose=False,
+                            pipeline_runtime="ticks").plan(*args)
     k = state_arity(step, args)
     n = len(jax.tree.leaves(args[:k]))
     prog = trace(step, *args)
@@ -105,7 +109,10 @@ def row(name: str, config: str, where, time_limit: float) -> dict:
     out = {"model": f"{name}-{config}", "cluster": cluster.name, "auto": auto.predicted_step_time,
            "chosen": auto.chosen, "spmd": auto.baselines["SPMD"], "ideal": auto.baselines["ideal"],
            "stages": len(auto.stages), "why": auto.solver.get("pipeline", ""),
-           "idle": [st["island"] for st in auto.stages if st["ops"] == 0]}
+           "ticks only": ticked.predicted_step_time,
+           "idle": [st["island"] for st in auto.stages if st["ops"] == 0],
+           "runtime": (auto.pipeline or {}).get("runtime", ""),
+           "vee": len({st["island"] for st in auto.stages}) < len(auto.stages)}
     try:
         regions = analyse(graph, dp.tensor_layouts, dp.op_inputs, n)
     except NotPipelineable as e:
@@ -135,7 +142,8 @@ def row(name: str, config: str, where, time_limit: float) -> dict:
 def table(rows) -> str:
     head = ("| model | cluster | SPMD-only | GPipe | 1F1B | hetero-1F1B | hetero vs 1F1B | "
             "the same, balanced cuts | free-running (vs SPMD) | accumulation over all | "
-            "V-shaped, what-if: lock step / free-running (vs SPMD) | auto picks | auto vs SPMD | ideal | auto at limit |")
+            "V-shaped: lock step / free-running (vs SPMD) | auto picks | auto vs SPMD | "
+            "auto, tick loop only, vs SPMD | ideal | auto at limit |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         def cell(kind):
@@ -151,6 +159,10 @@ def table(rows) -> str:
                  else "n/a (does not fit)" if one and het else "")
         pick = ("SPMD" if r["chosen"] != "pipeline" else "gradient accumulation over all"
                 if r["stages"] == 1 else f"pipeline, {r['stages']} stages")
+        if r.get("vee"):
+            pick += ", V-shaped"
+        if r.get("runtime") == "free":
+            pick += ", run free"
         if r.get("idle"):  # microbatches on the other islands alone: gradient accumulation
             pick += f" ({', '.join(r['idle'])} idle)"
         a, b = r.get("balanced 1f1b"), r.get("balanced hetero-1f1b")
@@ -162,7 +174,8 @@ def table(rows) -> str:
         lines.append(f"| {r['model']} | {r['cluster']} | {r['spmd']:.3f} s | {cell('gpipe')} | "
                      f"{cell('1f1b')} | {cell('hetero-1f1b')} | {ratio} | {balanced} | {free} | "
                      f"{cell('whole')} | {vee} | {pick} | "
-                     f"{r['spmd'] / r['auto']:.2f}x | {r['ideal']:.3f} s | "
+                     f"{r['spmd'] / r['auto']:.2f}x | {r['spmd'] / r['ticks only']:.2f}x | "
+                     f"{r['ideal']:.3f} s | "
                      f"{r['ideal'] / r['auto']:.0%} |")
     notes = [f"- {r['model']} on {r['cluster']}: {r.get('error') or r['why']}" for r in rows]
     return "\n".join(lines) + "\n\nWhat `pipeline=\"auto\"` said:\n\n" + "\n".join(notes) + "\n"

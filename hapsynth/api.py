@@ -16,14 +16,14 @@ from hapsynth.ir.signature import of_graph
 from hapsynth.ir.views import fold_batch_splits
 from hapsynth.lower.devices import local_devices
 from hapsynth.lower.freerun import FreeRunning
-from hapsynth.synth.pipeline import RUNTIMES
 from hapsynth.lower.pipeline import Pipelined
 from hapsynth.lower.program import Lowered
 from hapsynth.lower.values import Sharded
 from hapsynth.synth.plan import Plan
 from hapsynth.synth.subsets import candidates, on_fewer_devices
 from hapsynth.synth.synthesize import (InfeasibleMemory, NoDataParallelism, Options,
-                                       data_parallel_plan, synthesize, with_pipeline)
+                                       check_runtime, data_parallel_plan, synthesize,
+                                       with_pipeline)
 
 STRATEGIES = ("auto", "data-parallel")
 
@@ -118,7 +118,7 @@ def considers_pipeline(cluster, pipeline, strategy: str = "auto") -> bool:
 
 
 def make_plan(graph, cluster, *, num_state_leaves: int, data_inputs, strategy: str = "auto",
-              shares=None, pipeline=False, straight=None, pipeline_runtime="ticks",
+              shares=None, pipeline=False, straight=None, pipeline_runtime="auto",
               **options) -> Plan:
     """A synthesized plan (`strategy="auto"`, `options` as in `synthesize.Options`), or data
     parallelism (`"data-parallel"`, at FLOP/s-proportional `shares` unless given); with
@@ -379,7 +379,7 @@ class Parallelized:
     def __init__(self, train_step, cluster: Cluster, *, donate_argnums=(), time_limit: float = 10.0,
                  seed: int = 0, workers: int = 2, strategy: str = "auto", shares=None,
                  min_gain: float = 0.05, plan: Plan | None = None, verbose: bool | None = None,
-                 pipeline="auto", devices="auto", remat="auto", pipeline_runtime="ticks"):
+                 pipeline="auto", devices="auto", remat="auto", pipeline_runtime="auto"):
         self.train_step = train_step
         self.given_plan = plan  # a saved plan to use instead of synthesising (checked)
         self.cluster = cluster if isinstance(cluster, Cluster) else Cluster.load(cluster)
@@ -388,9 +388,7 @@ class Parallelized:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         check_pipeline(pipeline)
-        if pipeline_runtime not in RUNTIMES:
-            raise ValueError(f"pipeline_runtime must be one of {', '.join(RUNTIMES)}, "
-                             f"got {pipeline_runtime!r}")
+        check_runtime(pipeline_runtime)
         check_devices(devices)
         check_remat(remat)
         self.options = {"time_limit": time_limit, "seed": seed, "workers": workers,

@@ -97,7 +97,8 @@ def test_runtime_free_is_planned_where_it_prices_better_and_runs():
     it and round-trips through JSON."""
     step, args = get("gpt", "tiny")
     cluster = two_islands()
-    ticks = hs.parallelize(step, cluster=cluster, pipeline=True, time_limit=1).plan(*args)
+    ticks = hs.parallelize(step, cluster=cluster, pipeline=True, time_limit=1,
+                           pipeline_runtime="ticks").plan(*args)
     free = hs.parallelize(step, cluster=cluster, pipeline=True, time_limit=1,
                           pipeline_runtime="free").plan(*args)
     assert ticks.pipeline["runtime"] == "ticks"
@@ -106,6 +107,8 @@ def test_runtime_free_is_planned_where_it_prices_better_and_runs():
     assert "running free" in free.solver["pipeline"]
     assert json.loads(free.to_json())["pipeline"]["runtime"] == "free"
     assert hs.Plan.from_json(free.to_json()) == free
+    assert hs.parallelize(step, cluster=cluster, pipeline=True,
+                          time_limit=1).plan(*args).pipeline["runtime"] == "free"  # ("auto")
     with pytest.raises(ValueError, match="pipeline_runtime"):
         hs.parallelize(step, cluster=cluster, pipeline_runtime="async")
 
@@ -120,7 +123,8 @@ def test_stages_holding_uneven_rows_run_in_the_tick_loop():
                            pipeline_runtime="free").plan(*args)
     rows = {r for st in mixed.stages for r in st["rows"]}
     assert mixed.pipeline["runtime"] == "ticks" or len(rows) == 1
-    uneven = hs.parallelize(step, cluster=four_islands(), pipeline=True, time_limit=1).plan(*args)
+    uneven = hs.parallelize(step, cluster=four_islands(), pipeline=True, time_limit=1,
+                            pipeline_runtime="ticks").plan(*args)
     assert any(len(set(st["rows"])) > 1 for st in uneven.stages)
     with pytest.raises(NotImplementedError, match="rows"):
         FreeRunning(*_program(step, args, four_islands(), uneven), local_devices(four_islands()))

@@ -80,7 +80,7 @@ def test_the_new_state_is_written_into_its_buffers():
     place), not as a concatenation padded to the largest stage's buffer: on XLA's CPU
     backend that ran far below memory speed (1.3-1.7 s a step for the zoo's paper MLP)."""
     step, args = get("gpt", "tiny")
-    low = hs.parallelize(step, cluster=two_islands(), pipeline=True, time_limit=1).lowered(*args)
+    low = hs.parallelize(step, cluster=two_islands(), pipeline=True, pipeline_runtime="ticks", time_limit=1).lowered(*args)
     hlo = {"float32": "f32", "int32": "s32", "uint32": "u32", "bfloat16": "bf16", "float16": "f16"}
     sizes = {f"{hlo[np.dtype(k).name]}[{n}]" for k, n in low.state_sizes.items()}
     text = low.compile(*args).as_text()
@@ -107,7 +107,7 @@ def test_steps_that_cannot_run_as_microbatches_say_why(monkeypatch):
     step, args = elsewhere("scan_gpt")
     monkeypatch.setattr(unroll, "MAX_TRIPS", 1)
     with pytest.raises(NotPipelineable, match="loop region"):
-        hs.parallelize(step, cluster=two_islands(), time_limit=1, pipeline=True).plan(*args)
+        hs.parallelize(step, cluster=two_islands(), time_limit=1, pipeline=True, pipeline_runtime="ticks").plan(*args)
 
 
 def test_schedule_table_keeps_every_dependency():
@@ -215,7 +215,7 @@ def test_readers_of_a_slow_transfer_may_sit_ticks_later():
     from hapsynth.synth.pipeschedule import PipeSchedule, Slot
     from test_lowering import compare
     step, args = get("mlp", "tiny")
-    plan = hs.parallelize(step, cluster=two_islands(), pipeline=True, time_limit=1).plan(*args)
+    plan = hs.parallelize(step, cluster=two_islands(), pipeline=True, pipeline_runtime="ticks", time_limit=1).plan(*args)
     p = plan.pipeline
     assert [list(r) for r in ticks(plan.schedule())] == p["table"]  # the table it runs
     sch = PipeSchedule(p["schedule"], 2, p["micros"], tuple(Slot(*x) for x in p["slots"]),
@@ -258,7 +258,7 @@ def test_the_program_does_not_grow_with_its_ticks():
 
     from hapsynth.synth.pipeschedule import PipeSchedule, Slot
     step, args = get("mlp", "tiny")
-    plan = hs.parallelize(step, cluster=two_islands(), pipeline=True, time_limit=1).plan(*args)
+    plan = hs.parallelize(step, cluster=two_islands(), pipeline=True, pipeline_runtime="ticks", time_limit=1).plan(*args)
     p = plan.pipeline
     sch = PipeSchedule(p["schedule"], 2, p["micros"], tuple(Slot(*x) for x in p["slots"]),
                        p["makespan"], (1, 1))
@@ -279,7 +279,7 @@ def test_every_device_holds_the_buffers_priced(cluster):
     whole (they are updated in place), nor the backward's sums (the zoo's paper MLP: its
     58.6M-float gradient sums copied in every tick's idle and forward branches)."""
     step, args = get("gpt", "tiny")
-    par = hs.parallelize(step, cluster=cluster(), pipeline=True, time_limit=1)
+    par = hs.parallelize(step, cluster=cluster(), pipeline=True, pipeline_runtime="ticks", time_limit=1)
     plan, low = par.plan(*args), par.lowered(*args)
     compiled = low.compile(*args)
     m = compiled.memory_analysis()
@@ -340,7 +340,7 @@ def test_every_process_crosses_the_shifts_in_one_order():
     permutes in one order (XLA's CPU runtime does not order collectives inside two
     independent conds, and gloo pairs a permute's messages by arrival)."""
     step, args = get("mlp", "tiny")
-    plan = hs.parallelize(step, cluster=two_islands(), pipeline=True, time_limit=1).plan(*args)
+    plan = hs.parallelize(step, cluster=two_islands(), pipeline=True, pipeline_runtime="ticks", time_limit=1).plan(*args)
     plan = replace(plan, pipeline={**plan.pipeline, "delay": 0})
     low = hs.parallelize(step, cluster=two_islands(), plan=plan).lowered(*args)
     leaves = jax.tree.leaves(args)
@@ -373,7 +373,7 @@ def test_only_the_stages_sending_cross_a_link():
     """Sent in the tick that made it: per tick and shift, the program's `ppermute` pairs
     are the stages sending then (a tick where none does moves nothing)."""
     step, args = get("mlp", "tiny")
-    plan = hs.parallelize(step, cluster=two_islands(), pipeline=True, time_limit=1).plan(*args)
+    plan = hs.parallelize(step, cluster=two_islands(), pipeline=True, pipeline_runtime="ticks", time_limit=1).plan(*args)
     plan = replace(plan, pipeline={**plan.pipeline, "delay": 0})
     par = hs.parallelize(step, cluster=two_islands(), plan=plan)
     low = par.lowered(*args)
@@ -428,7 +428,7 @@ def test_a_message_crosses_beside_the_next_ticks_work():
 
     from test_lowering import compare
     step, args = get("mlp", "tiny")
-    plan = hs.parallelize(step, cluster=two_islands("1Gbps"), pipeline=True,
+    plan = hs.parallelize(step, cluster=two_islands("1Gbps"), pipeline=True, pipeline_runtime="ticks",
                           time_limit=1).plan(*args)
     want = jax.jit(step)(*args)
     lagged = [list(r) for r in late_ticks(plan.schedule())]
@@ -487,7 +487,7 @@ def test_auto_keeps_spmd_where_a_pipeline_prices_worse():
                           pipeline=False).plan(*args)
     assert auto.predicted_step_time == pytest.approx(spmd.predicted_step_time, rel=0.05)
     forced = hs.parallelize(step, cluster=two_islands("0.1Gbps"), time_limit=1,
-                            pipeline=True).plan(*args)
+                            pipeline=True, pipeline_runtime="ticks").plan(*args)
     assert len(forced.stages) == 2 and forced.chosen == "pipeline"
     assert forced.predicted_step_time >= auto.predicted_step_time
     assert forced.baselines["SPMD"] == pytest.approx(spmd.predicted_step_time, rel=0.05)
@@ -515,7 +515,7 @@ def test_auto_pipelines_where_it_prices_better():
 def test_pipeline_true_on_one_island_says_why():
     step, args = get("mlp", "tiny")
     with pytest.raises(NotPipelineable, match="one island"):
-        hs.parallelize(step, cluster="cpu-2-6", pipeline=True, time_limit=1).plan(*args)
+        hs.parallelize(step, cluster="cpu-2-6", pipeline=True, pipeline_runtime="ticks", time_limit=1).plan(*args)
 
 
 def test_a_pipeline_with_one_working_stage_says_it_is_gradient_accumulation():
@@ -579,7 +579,7 @@ def test_one_stage_over_every_device_is_gradient_accumulation():
         want = jax.jit(step)(*want[:2], *args[2:])
         got = par(*got[:2], *args[2:])
         compare(hs.gather(got), want, rtol=2e-3)
-    asked = hs.parallelize(step, cluster=cluster, pipeline=True, time_limit=1).plan(*args)
+    asked = hs.parallelize(step, cluster=cluster, pipeline=True, pipeline_runtime="ticks", time_limit=1).plan(*args)
     assert len(asked.stages) == 2
 
 
@@ -616,7 +616,7 @@ def _three_steps(step, args, cluster, rtol=2e-3, late=False):
     from test_lowering import compare
 
     k = state_arity(step, args)
-    par = hs.parallelize(step, cluster=cluster, pipeline=True, time_limit=1)
+    par = hs.parallelize(step, cluster=cluster, pipeline=True, pipeline_runtime="ticks", time_limit=1)
     plan = par.plan(*args)
     if late:
         plan = replace(plan, pipeline={**plan.pipeline, "delay": 1, "table": [
@@ -722,7 +722,7 @@ def test_a_branch_hook_knows_each_device_by_its_number():
 
     step, args = get("mlp", "tiny")
     cluster = two_islands()
-    par = hs.parallelize(step, cluster=cluster, pipeline=True, time_limit=1)
+    par = hs.parallelize(step, cluster=cluster, pipeline=True, pipeline_runtime="ticks", time_limit=1)
     plan = par.plan(*args)
     a, b = plan.stages
     swapped = replace(plan, stages=[{**a, "devices": b["devices"]}, {**b, "devices": a["devices"]}])
@@ -752,7 +752,7 @@ def test_pipelined_state_round_trips_through_gather():
     """State fed back as `Staged` leaves, gathered, or given as arrays: the same step;
     `shard` then `gather` gives back exactly what was given."""
     step, args = get("mlp", "tiny")
-    par = hs.parallelize(step, cluster=two_islands(), pipeline=True, time_limit=1)
+    par = hs.parallelize(step, cluster=two_islands(), pipeline=True, pipeline_runtime="ticks", time_limit=1)
     out = par(*args)
     again = par(*out[:2], args[2])
     whole = par(*hs.gather(out[:2]), args[2])
@@ -845,7 +845,7 @@ def test_fed_back_state_is_read_leaf_by_leaf():
     """`Staged` leaves of two different steps fed back together are each read from their
     own step; donating only some of the state donates nothing the caller still holds."""
     step, args = _hand_step()
-    par = hs.parallelize(step, cluster=two_islands(), pipeline=True, time_limit=1,
+    par = hs.parallelize(step, cluster=two_islands(), pipeline=True, pipeline_runtime="ticks", time_limit=1,
                          donate_argnums=(0,))
     ref = jax.jit(step)
     one = par(*args)
@@ -1037,7 +1037,7 @@ def test_what_crosses_a_cut_is_priced_as_the_lowering_sends_and_keeps_it(which):
         "skips": lambda: (*_hand_step(skip=True), four_islands()),
         "backward alone": lambda: (*_residual_for_backward_alone(), two_islands()),
     }[which]()
-    par = hs.parallelize(step, cluster=cluster, pipeline=True, time_limit=1)
+    par = hs.parallelize(step, cluster=cluster, pipeline=True, pipeline_runtime="ticks", time_limit=1)
     plan = par.plan(*args)
     prog = par._programs[next(iter(par._programs))]
     graph, dp, r, n = _regions(step, args, cluster)
@@ -1137,7 +1137,7 @@ def test_bf16_gradients_are_summed_over_microbatches_in_float32():
               "w2": jnp.asarray(rng.normal(size=(64, 8)), jnp.float32) * 0.3}
     args = (params, jnp.asarray(rng.normal(size=(32, 16)), jnp.float32))
     cluster = two_islands()
-    par = hs.parallelize(step, cluster=cluster, pipeline=True, time_limit=1)
+    par = hs.parallelize(step, cluster=cluster, pipeline=True, pipeline_runtime="ticks", time_limit=1)
     plan = par.plan(*args)
     low = par.lowered(*args)
     assert plan.pipeline["micros"] > 1
@@ -1169,7 +1169,7 @@ def test_the_sums_are_priced_as_the_lowering_allocates_and_adds_them():
     from hapsynth.synth.pipeline import _Costs, _Evaluator
     step, args = get("gpt", "tiny")
     cluster = two_islands()
-    plan = hs.parallelize(step, cluster=cluster, pipeline=True, time_limit=1).plan(*args)
+    plan = hs.parallelize(step, cluster=cluster, pipeline=True, pipeline_runtime="ticks", time_limit=1).plan(*args)
     low = hs.parallelize(step, cluster=cluster, plan=plan).lowered(*args)
     graph, dp, r, n = _regions(step, args, cluster)
     parts, _ = stage_parts(cluster)
@@ -1277,7 +1277,7 @@ def test_a_gradient_rearranged_for_its_parameter_is_summed_as_the_optimizer_read
     assert sum(op.primitive == "transpose" for op in moved) >= 4
     for op in moved:
         assert r.region[op.id] == "micro" and r.rank[op.id] == r.rank[producer[op.inputs[0]]]
-    plan = hs.parallelize(step, cluster=cluster, pipeline=True, time_limit=1).plan(*args)
+    plan = hs.parallelize(step, cluster=cluster, pipeline=True, pipeline_runtime="ticks", time_limit=1).plan(*args)
     low = hs.parallelize(step, cluster=cluster, plan=plan).lowered(*args)
     summed = {t for ts in low.acc.values() for t in ts}
     later = {x for op in graph.ops if r.region[op.id] == "post" for x in op.inputs}
@@ -1326,7 +1326,7 @@ def test_large_state_leaves_have_buffers_of_their_own_priced_as_allocated(monkey
     monkeypatch.setattr(pricing, "APART_BYTES", least)
     step, args = get("gpt", "tiny")
     cluster = two_islands()
-    plan = hs.parallelize(step, cluster=cluster, pipeline=True, time_limit=1).plan(*args)
+    plan = hs.parallelize(step, cluster=cluster, pipeline=True, pipeline_runtime="ticks", time_limit=1).plan(*args)
     low = hs.parallelize(step, cluster=cluster, plan=plan).lowered(*args)
     assert "float32" in low.state_sizes and len(low.state_sizes) > 4
     for p in low.state_packing:
@@ -1389,7 +1389,7 @@ def test_a_pipeline_on_cpu_devices_names_the_flag_it_needs(monkeypatch):
     """Without the XLA flag the tests set (conftest), a pipelined program over several CPU
     devices of one process warns and names it."""
     step, args = get("mlp", "tiny")
-    par = hs.parallelize(step, cluster=two_islands(), pipeline=True, time_limit=1)
+    par = hs.parallelize(step, cluster=two_islands(), pipeline=True, pipeline_runtime="ticks", time_limit=1)
     par.plan(*args)
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     with pytest.warns(RuntimeWarning, match="concurrency_optimized_scheduler=false"):

@@ -252,10 +252,16 @@ def _number(x):
     return None if x is None or x is False or x != x else float(x)
 
 
+def check_runtime(runtime) -> None:
+    """`pipeline_runtime` is "auto", "ticks" or "free" (see `with_pipeline`)."""
+    if runtime not in ("auto", "ticks", "free"):
+        raise ValueError(f"pipeline_runtime must be 'auto', 'ticks' or 'free', got {runtime!r}")
+
+
 def with_pipeline(graph: Graph, cluster: Cluster, spmd: Plan | None, *, num_state_leaves: int,
                   data_inputs, pipeline, min_gain: float = 0.05,
                   unfit: InfeasibleMemory | None = None,
-                  straight: tuple[Graph, int] | None = None, runtime: str = "ticks") -> Plan:
+                  straight: tuple[Graph, int] | None = None, runtime: str = "auto") -> Plan:
     """`pipeline="auto"`: a pipeline across the cluster's islands when it prices `min_gain`
     faster than `spmd` (the best SPMD-only plan; None when none fits) and fits (a pipeline
     is the more complex program, as data parallelism is kept over a plan barely faster),
@@ -264,14 +270,17 @@ def with_pipeline(graph: Graph, cluster: Cluster, spmd: Plan | None, *, num_stat
     whatever it prices (an error saying why when there is none). The plan's
     `baselines["SPMD"]` is the SPMD-only time; `solver["pipeline"]` says what was decided.
     `straight`: (graph, state leaves) of the step with its loops written out, where
-    stages are cut (the plan then runs that program: `pipeline["unrolled"]`). `runtime`
-    "free": pipelines priced free-running, V shapes among them, are candidates too where
-    `FreeRunning` runs them (`synth.pipeline.RUNTIMES`; the plan's `pipeline["runtime"]`
-    says which runs it)."""
+    stages are cut (the plan then runs that program: `pipeline["unrolled"]`). `runtime`:
+    "ticks", pipelines run in one tick loop (`Pipelined`); "free", pipelines priced
+    free-running, V shapes among them, are candidates too where `FreeRunning` runs them
+    (the step as written, every stage on as many devices holding as many rows); "auto",
+    as "free" where this process drives every device or `jax.device_put` moves arrays
+    between processes, else as "ticks". The plan's `pipeline["runtime"]` says which runs
+    it (`synth.pipeline.RUNTIMES`)."""
     from dataclasses import replace
 
-    from hapsynth.synth.pipeline import (RUNTIMES, as_plan, plan_pipeline, plan_vshape,
-                                         runs_free, stage_groups)
+    from hapsynth.synth.pipeline import (as_plan, plan_pipeline, plan_vshape, runs_free,
+                                         stage_groups)
     from hapsynth.synth.stages import NotPipelineable, analyse
 
     def keep(why: str) -> Plan:
@@ -299,12 +308,17 @@ def with_pipeline(graph: Graph, cluster: Cluster, spmd: Plan | None, *, num_stat
         return keep(f"not pipelineable: {e}")
     progress.phase("pipeline")
     # (one stage over every device, gradient accumulation, is no pipeline to ask for)
-    if runtime not in RUNTIMES:
-        raise ValueError(f"pipeline_runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
+    check_runtime(runtime)
     pipe = plan_pipeline(graph, cluster, regions, dp.tensor_layouts, num_state_leaves,
                          whole=pipeline is not True)
     free = None
-    if runtime == "free":  # (one stage over every device is no pipeline to run free)
+    if runtime == "auto":
+        import jax
+
+        from hapsynth._jax import moves_across_processes
+        runtime = "free" if jax.process_count() == 1 or moves_across_processes() else "ticks"
+    if runtime == "free" and straight is None:  # (one stage over every device is no
+        # pipeline to run free; a step written out of its loops reads rows of stacks)
         found = [plan_pipeline(graph, cluster, regions, dp.tensor_layouts, num_state_leaves,
                                whole=False, free_running=True),
                  plan_vshape(graph, cluster, regions, dp.tensor_layouts, num_state_leaves,
