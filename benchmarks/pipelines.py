@@ -48,7 +48,7 @@ import jax  # noqa: E402
 import hapsynth as hs  # noqa: E402
 from hapsynth.api import state_arity  # noqa: E402
 from hapsynth.ir import lift_program, trace  # noqa: E402
-from hapsynth.ir.unroll import state_inputs, unroll, unrollable  # noqa: E402
+from hapsynth.ir.unroll import written_out  # noqa: E402
 from hapsynth.models import ZOO, get  # noqa: E402
 from hapsynth.synth.pipeline import SCHEDULES, plan_pipeline, plan_vshape  # noqa: E402
 from hapsynth.synth.stages import NotPipelineable, analyse  # noqa: E402
@@ -101,9 +101,7 @@ def row(name: str, config: str, where, time_limit: float) -> dict:
     k = state_arity(step, args)
     n = len(jax.tree.leaves(args[:k]))
     prog = trace(step, *args)
-    if unrollable(prog, n):  # as `pipeline="auto"` cuts it: layer by layer
-        prog = unroll(prog, n)
-        n = state_inputs(prog, n)
+    prog, n = written_out(prog, n) or (prog, n)  # as `pipeline="auto"` cuts it
     graph = lift_program(prog)
     dp = data_parallel_plan(graph, cluster, num_state_leaves=n, data_inputs=graph.inputs[n:])
     out = {"model": f"{name}-{config}", "cluster": cluster.name, "auto": auto.predicted_step_time,

@@ -10,7 +10,7 @@ from hapsynth import progress
 from hapsynth.cluster import Cluster
 from hapsynth.ir import inspect as _inspect
 from hapsynth.ir import lift_program, trace
-from hapsynth.ir.unroll import state_inputs, unroll, unrollable
+from hapsynth.ir.unroll import unroll, written_out
 from hapsynth.ir.remat import cannot_fit, describe, rematerialize, room
 from hapsynth.ir.signature import of_graph
 from hapsynth.ir.views import fold_batch_splits
@@ -212,10 +212,9 @@ def plan_program(prog, cluster, *, num_state_leaves: int, remat="auto",
     def plan_of(p) -> Plan:
         graph = lift(p)
         straight = None
-        if unrollable(p, num_state_leaves) and considers_pipeline(cluster, kw.get("pipeline", False),
-                                                kw.get("strategy", "auto")):
-            u = unroll(p, num_state_leaves)
-            straight = lift_program(u), state_inputs(u, num_state_leaves)
+        if considers_pipeline(cluster, kw.get("pipeline", False), kw.get("strategy", "auto")):
+            u = written_out(p, num_state_leaves)
+            straight = (lift_program(u[0]), u[1]) if u else None
         return make_plan(graph, cluster, num_state_leaves=num_state_leaves,
                          data_inputs=graph.inputs[num_state_leaves:], straight=straight, **kw)
 

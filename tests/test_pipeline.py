@@ -1533,16 +1533,14 @@ def test_the_v_search_prices_each_island_pair_s_best_cuts_under_every_schedule()
     V100s at the ends, and a V with the A100s at the ends (cuts found by hand, the
     pair's third best under 1F1B at 8 microbatches) prices better free-running: the
     search must keep each group pair's best few to find it."""
-    from hapsynth.ir.unroll import state_inputs, unroll, unrollable
+    from hapsynth.ir.unroll import written_out
     from hapsynth.synth import pipeline as P
 
     cluster = hs.Cluster.load("a100x8-v100x8-islands-10g")
     step, args = get("gpt", "medium", devices=cluster.num_devices)
     n = len(jax.tree.leaves(args[:state_arity(step, args)]))
     prog = trace(step, *args)
-    if unrollable(prog, n):  # as `pipeline="auto"` cuts it: layer by layer
-        prog = unroll(prog, n)
-        n = state_inputs(prog, n)
+    prog, n = written_out(prog, n) or (prog, n)
     graph = lift_program(prog)
     dp = data_parallel_plan(graph, cluster, num_state_leaves=n, data_inputs=graph.inputs[n:])
     regions = analyse(graph, dp.tensor_layouts, dp.op_inputs, n)

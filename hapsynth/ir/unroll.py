@@ -29,7 +29,7 @@ from hapsynth import _jax
 from hapsynth.ir.rules.registry import facts
 from hapsynth.ir.trace import Const, Program, flatten, value_of
 
-__all__ = ["MAX_TRIPS", "state_inputs", "unroll", "unrollable"]
+__all__ = ["MAX_TRIPS", "state_inputs", "unroll", "unrollable", "written_out"]
 
 #: Longest loop written out: a scan over layers, not one over time steps or tokens.
 MAX_TRIPS = 128
@@ -276,3 +276,13 @@ def _loop(prog: Program, loop, env: dict) -> None:
     env.update(zip((c.inputs[1] for c in carries), carry))
     for k, s in enumerate(loop.stacks):
         env[eqns[s].outputs[0]] = _Stack(ys[k])
+
+
+def written_out(prog: Program, num_state_leaves: int) -> tuple[Program, int] | None:
+    """The program as a pipeline cuts it, its loops over layers written out, and its state
+    leaves' count there (a stack's rows are leaves of their own); None when it has no
+    such loop (`unrollable`)."""
+    if not unrollable(prog, num_state_leaves):
+        return None
+    u = unroll(prog, num_state_leaves)
+    return u, state_inputs(u, num_state_leaves)
