@@ -178,6 +178,7 @@ def run(task: str, kwargs: dict | None = None, *, processes: int = 2, timeout: f
                                                     MALLOC_TUNABLES]))}
     spec = json.dumps({"task": task, "kwargs": kwargs or {}, "processes": processes,
                        "port": port, "cores": avail[:processes] if pin else None,
+                       "transfer": [free_port() for _ in range(processes)],
                        "path": sys.path, "parent": os.getpid()})
     procs = [subprocess.Popen([sys.executable, "-m", MODULE, spec, str(i)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -228,6 +229,9 @@ def _worker(spec: dict, rank: int) -> None:
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # jax.device_put between processes (a pipeline run free): through sockets
+    jax.config.update("jax_cross_host_transfer_socket_address",
+                      f"127.0.0.1:{spec['transfer'][rank]}")
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{spec['port']}",
                                num_processes=spec["processes"], process_id=rank,
                                heartbeat_timeout_seconds=30, initialization_timeout=120)

@@ -107,6 +107,7 @@ def measure(model: str, config: str, ratio: float, reps: int, time_limit: float)
     from hapsynth import profile
     from hapsynth.api import make_plan
     from hapsynth.ir import lift
+    from hapsynth.lower.freerun import FreeRunning
     from hapsynth.lower.pipeline import Pipelined
     from hapsynth.lower.program import Lowered
     from hapsynth.models import get
@@ -151,7 +152,8 @@ def measure(model: str, config: str, ratio: float, reps: int, time_limit: float)
              f"link in a step {link['bandwidth'] / 1e6:.1f} MB/s")
     spmd = plan(cluster, pipeline=False)
     alone = plan(cluster.subset((0,)), pipeline=False)
-    pipe = plan(cluster, pipeline=True, pipeline_runtime="ticks")  # (its branch hook)
+    pipe = plan(cluster, pipeline=True, pipeline_runtime="ticks")
+    free = plan(cluster, pipeline=True, pipeline_runtime="free")  # run free where cheaper
     progress(f"planned: SPMD-only {spmd.predicted_step_time * 1e3:.1f} ms ({spmd.chosen}), "
              f"fast device alone {alone.predicted_step_time * 1e3:.1f} ms, "
              f"pipeline {pipe.predicted_step_time * 1e3:.1f} ms")
@@ -159,12 +161,16 @@ def measure(model: str, config: str, ratio: float, reps: int, time_limit: float)
     runs = {"SPMD": (Lowered(prog, spmd, devices, branch_hook=emulate), args),
             "pipeline": (Pipelined(prog, pipe, devices, branch_hook=emulate), args),
             **alone_runs}
+    if free.pipeline.get("runtime") == "free":
+        runs["free"] = (FreeRunning(prog, free, devices, branch_hook=emulate), args)
     measured = _time_steps(runs, reps)
     if os.environ.get("HAPSYNTH_BENCH_TRACE"):  # a profile of two pipelined steps, per process
         _trace(*runs["pipeline"], f"{os.environ['HAPSYNTH_BENCH_TRACE']}/p{jax.process_index()}")
     predicted = {"SPMD": spmd.predicted_step_time + overhead,
                  "pipeline": pipe.predicted_step_time + overhead,
                  "alone": alone.predicted_step_time + overhead}
+    if "free" in runs:
+        predicted["free"] = free.predicted_step_time + overhead
     return {"model": f"{model}-{config}", "ratio": f"{ratio:g}:1", "link": link,
             "measured": measured, "predicted": predicted, "spmd_chosen": spmd.chosen,
             "pipeline": {"micros": pipe.pipeline["micros"], "schedule": pipe.pipeline["schedule"],
@@ -173,6 +179,10 @@ def measure(model: str, config: str, ratio: float, reps: int, time_limit: float)
                                   for s in pipe.stages],
                          "ops": [s["ops"] for s in pipe.stages],
                          "by_kind": pipe.pipeline["by_kind"]},
+            "free": {"runtime": free.pipeline.get("runtime"), "micros": free.pipeline["micros"],
+                     "schedule": free.pipeline["schedule"],
+                     "stages": [s["island"] for s in free.stages],
+                     "ops": [s["ops"] for s in free.stages]} if free.stages else None,
             "calibration": {"flops": 1e11 * fast, "slow_flops": 1e11 * slow,
                             "emulated": fast / slow, "overhead": overhead, "probe_1to1": t1,
                             "probe_thrice": t1 + 2 * rep, "alone_1to1": alone_1to1,
@@ -262,16 +272,23 @@ def format_row(r: dict) -> str:
                                       f"in microbatches)" if idle else "")
              + f"; SPMD-only: {r['spmd_chosen']}",
              f"{'':>10} {'SPMD-only':>10} {'fast alone':>10} {'pipeline':>10} {'speed-up':>9}"
-             f"  (over the better SPMD-only)"]
+             f"  (over the better SPMD-only)" + (f" {'run free':>10} {'speed-up':>9}"
+                                                 if "free" in m else "")]
     cols = ("SPMD", "alone", "pipeline")
+    pad = " " * 30  # under "(over the better SPMD-only)"
     for label, d in (("measured", m), ("predicted", p)):
         lines.append(f"{label:>10} " + " ".join(
             f"{d[k] * 1e3:8.1f}ms" if k in d else f"{'-':>10}" for k in cols)
-            + f" {best_spmd(d) / d['pipeline']:8.2f}x")
+            + f" {best_spmd(d) / d['pipeline']:8.2f}x" + (
+                f"{pad}{d['free'] * 1e3:8.1f}ms {best_spmd(d) / d['free']:8.2f}x"
+                if "free" in m else ""))
     sm, sp = best_spmd(m) / m["pipeline"], best_spmd(p) / p["pipeline"]
     lines.append(f"{'error':>10} " + " ".join(
         f"{100 * (p[k] - m[k]) / m[k]:+9.0f}%" if k in m else f"{'-':>10}" for k in cols)
-        + f" {100 * (sp - sm) / sm:+8.0f}%")
+        + f" {100 * (sp - sm) / sm:+8.0f}%" + (
+            f"{pad}{100 * (p['free'] - m['free']) / m['free']:+9.0f}% "
+            f"{100 * (best_spmd(p) / p['free'] - best_spmd(m) / m['free']) / (best_spmd(m) / m['free']):+8.0f}%"
+            if "free" in m else ""))
     return "\n".join(lines)
 
 

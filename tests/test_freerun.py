@@ -105,6 +105,7 @@ def test_runtime_free_is_planned_where_it_prices_better_and_runs():
     assert free.pipeline["runtime"] == "free"
     assert free.predicted_step_time < ticks.predicted_step_time
     assert "running free" in free.solver["pipeline"]
+    assert "run free: each stage's next work once its inputs are there" in free.summary()
     assert json.loads(free.to_json())["pipeline"]["runtime"] == "free"
     assert hs.Plan.from_json(free.to_json()) == free
     assert hs.parallelize(step, cluster=cluster, pipeline=True,
@@ -163,3 +164,35 @@ def test_two_processes_run_a_pipeline_free():
         line = [ln for ln in out.splitlines() if ln.startswith("MAXERR")][-1]
         assert float(line.split()[1]) < 2e-3, line
         assert "RUNTIME free" in line and "LOWERED FreeRunning" in line, line
+
+
+@pytest.mark.slow  # the harness's knob (~15 s): `hapsynth bench pipeline` measures with it
+def test_a_branch_hook_repeats_the_works_of_a_stage_run_free():
+    """Under `WorkRepeat` (the harness's slow device) each device runs its stage's works
+    and rounds `counts[i]` times: the values are unchanged, and perturbing the repeats'
+    operands changes them exactly when some device repeats; counts change without
+    recompiling."""
+    from hapsynth_bench.emulation import WorkRepeat
+
+    step, args = get("mlp", "tiny")
+    cluster = two_islands()
+    pipe, plan = _free_plan(step, args, cluster, "straight")
+    par = hs.parallelize(step, cluster=cluster, plan=plan)
+    par.plan(*args)
+    prog = par._programs[next(iter(par._programs))]
+    emulate = WorkRepeat((1,) * 4 + (3,) * 4)
+    slow = FreeRunning(prog, plan, local_devices(cluster), branch_hook=emulate)
+    got = want = args
+    for _ in range(2):
+        want = jax.jit(step)(*want[:2], args[2])
+        got = slow(*got[:2], args[2])
+        compare(hs.gather(got), want)
+    ref = jax.jit(step)(*args)
+    for repeat, changes in (((1,) * 8, False), ((1,) * 4 + (2,) * 4, True),
+                            ((2,) + (1,) * 7, True)):
+        emulate.set(repeat, flag=True)
+        out = hs.gather(slow(*args))
+        diff = max(float(abs(jax.numpy.max(jax.numpy.abs(a - b))))
+                   for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)))
+        assert (not diff <= 1e-3) == changes, (repeat, diff)
+    assert all(fn._cache_size() == 1 for fn in slow._works.values())

@@ -46,9 +46,12 @@ DATA = "data"
 class FreeRunning(StageWiring):
     """A pipeline plan bound to a traced program and the devices of one process."""
 
-    def __init__(self, prog: Program, plan: Plan, devices):
+    def __init__(self, prog: Program, plan: Plan, devices, *, branch_hook=None):
+        """`branch_hook`: measurement harnesses only (`hook.py`): every stage's work and
+        round of once-per-step ops runs `hook.wrap`ped on each of its devices."""
         plan.check(of_program(prog))
         super().__init__(prog, plan)
+        self.hook = branch_hook
         if prog.split:
             raise NotImplementedError("a free-running pipeline of a step whose state is read "
                                       "as rows (a stack scanned over)")
@@ -127,8 +130,40 @@ class FreeRunning(StageWiring):
             return new, kept, {t: env[t][None] for t in sent}
 
         own, whole = PS(DATA), PS()
-        return jax.jit(jax.shard_map(fn, mesh=self.meshes[s], in_specs=(whole, whole, whole, own, own),
-                                     out_specs=own, check_vma=False), donate_argnums=(4,))
+        return self._program(s, fn, (whole, whole, whole, own, own), own, donate=(4,),
+                             entry=lambda m, state, data, *_: [False] + [True] * (
+                                 len(state) + len(data)))
+
+    def _program(self, s, fn, in_specs, out_specs, donate=(), entry=None):
+        """`fn` as one `jit(shard_map)` program on stage s's devices. Under a branch hook
+        its body is `hook.wrap`ped (`entry(*args)`: per leaf of the arguments, whether it
+        is the step's own input), and the hook's inputs are passed last (`_extra`)."""
+        mesh = self.meshes[s]
+        if self.hook is None:
+            return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                                         check_vma=False), donate_argnums=donate)
+        number = np.asarray(self.plan.stages[s]["devices"], np.int32)
+
+        def body(*args):
+            *args, extra = args
+            leaves, tree = jax.tree.flatten(args)
+            made: list = []
+
+            def branch(*flat):
+                out, shape = jax.tree.flatten(fn(*jax.tree.unflatten(tree, flat)))
+                made.append(shape)
+                return tuple(out)
+            flags = list(entry(*args)) if entry else []
+            flags += [False] * (len(leaves) - len(flags))
+            index = jnp.asarray(number)[jax.lax.axis_index(DATA)]
+            got = self.hook.wrap(branch, flags, tuple(extra), index=index)(*leaves)
+            return jax.tree.unflatten(made[-1], got)
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(*in_specs, PS()),
+                                     out_specs=out_specs, check_vma=False), donate_argnums=donate)
+
+    def _extra(self, s) -> tuple:
+        """The hook's inputs for a program on stage s (none without a hook)."""
+        return () if self.hook is None else (tuple(self.hook.inputs(self.meshes[s])),)
 
     def _rounds(self):
         """The once-per-step ops in rounds: an op runs in the round after the last one
@@ -151,7 +186,8 @@ class FreeRunning(StageWiring):
                 ops = [i for i in self.post[s] if level[i] == k]
                 if ops:
                     made = [t for i in ops for t in prog.eqns[i].outputs if t in later]
-                    self._post[(k, s)] = jax.jit(self._evaluate(s, ops, made))
+                    self._post[(k, s)] = self._program(s, self._evaluate(s, ops, made),
+                                                       (PS(),), PS())
         # per stage, the state leaves it stores and the outputs it makes (once the rounds ran)
         outs = prog.outputs
         self.stores = {s: [p for p in range(self.nstate) if self.owner[p] == s]
@@ -224,7 +260,7 @@ class FreeRunning(StageWiring):
             if ph == "B":
                 received.update(kept.pop((s, m)))
             acc[s][ph], keep, sent = self._works[(s, ph)](np.int32(m), state[s], data[s],
-                                                          received, acc[s][ph])
+                                                          received, acc[s][ph], *self._extra(s))
             if ph == "F":
                 kept[(s, m)] = keep
             for (b, phb), xs in self.sends.get((s, ph), {}).items():
@@ -244,7 +280,7 @@ class FreeRunning(StageWiring):
                     if isinstance(x, int) and x in self.where and self.where[x][0] != s \
                             and x not in avail[s]:
                         avail[s][x] = self._put(avail[self.where[x][0]][x], s)
-            avail[s].update(fn(avail[s]))
+            avail[s].update(fn(avail[s], *self._extra(s)))
         outs = prog.outputs
         for s in range(S):  # what the last round made elsewhere, for a state leaf or output
             for o in [outs[p] for p in self.stores[s]] + [o for o in self.results

@@ -160,11 +160,12 @@ class Plan:
         spmd = self.baselines.get("SPMD")
         vs = ("" if spmd is None or spmd != spmd else
               f"; SPMD-only {spmd:.4g} s ({spmd / self.predicted_step_time:.2f}x)")
-        sent = ("during the next tick's work" if p.get("delay") else "after the tick's work")
+        sent = ("run free: each stage's next work once its inputs are there"
+                if p.get("runtime") == "free" else "messages cross during the next tick's work"
+                if p.get("delay") else "messages cross after the tick's work")
         S = len(self.stages)
         out = [f"  pipeline:    {S} stage{'s' if S > 1 else ''}, {p['micros']} microbatches, "
-               f"{p['schedule']} (bubble {p['bubble']:.0%}; {kinds}){vs}; "
-               f"messages cross {sent}"]
+               f"{p['schedule']} (bubble {p['bubble']:.0%}; {kinds}){vs}; {sent}"]
         if p.get("unrolled") is not None:
             out.append(f"  written out: loops as layers, the {p['unrolled']} state leaves fed as "
                        f"{self.state_leaves} inputs (layer-stacked ones by rows)")
@@ -173,7 +174,9 @@ class Plan:
                        f"forward {st['forward'] * 1e3:.4g} ms, backward {st['backward'] * 1e3:.4g} ms "
                        f"per microbatch, tail {st['tail'] * 1e3:.4g} ms, "
                        f"{st['memory'] / 2**30:.2f} GiB, {st['in_flight']} in flight"
-                       + (", holds no ops (its devices idle)" if st.get("ops", 1) == 0 else ""))
+                       + (", holds no ops" + ("" if any(
+                           o["devices"] == st["devices"] and o.get("ops", 1) for o in self.stages)
+                           else " (its devices idle)") if st.get("ops", 1) == 0 else ""))
         working = [st for st in self.stages if st.get("ops", 1)]
         if len(working) == 1 < S:
             out.append(f"  in effect:   gradient accumulation on {working[0]['island']} in "
