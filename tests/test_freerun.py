@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 
 import hapsynth as hs
@@ -55,6 +56,9 @@ def test_free_running_pipelines_equal_one_device(model, shape):
     low = par.lowered(*args)
     assert isinstance(low, FreeRunning)
     k = state_arity(step, args)
+    # stored as the program reads them, the arguments come back exactly
+    for a, b in zip(jax.tree.leaves(hs.gather(par.shard(*args))), jax.tree.leaves(args)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
     ref = jax.jit(step)
     got = want = args
     for _ in range(3):
