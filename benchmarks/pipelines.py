@@ -110,7 +110,7 @@ def row(name: str, config: str, where, time_limit: float) -> dict:
            "ticks only": ticked.predicted_step_time,
            "idle": [st["island"] for st in auto.stages if st["ops"] == 0],
            "runtime": (auto.pipeline or {}).get("runtime", ""),
-           "vee": len({st["island"] for st in auto.stages}) < len(auto.stages)}
+           "auto vee": len({tuple(st["devices"]) for st in auto.stages}) < len(auto.stages)}
     try:
         regions = analyse(graph, dp.tensor_layouts, dp.op_inputs, n)
     except NotPipelineable as e:
@@ -157,7 +157,7 @@ def table(rows) -> str:
                  else "n/a (does not fit)" if one and het else "")
         pick = ("SPMD" if r["chosen"] != "pipeline" else "gradient accumulation over all"
                 if r["stages"] == 1 else f"pipeline, {r['stages']} stages")
-        if r.get("vee"):
+        if r.get("auto vee"):  # a group of devices runs two of its stages
             pick += ", V-shaped"
         if r.get("runtime") == "free":
             pick += ", run free"
