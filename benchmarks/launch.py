@@ -229,9 +229,11 @@ def _worker(spec: dict, rank: int) -> None:
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    # jax.device_put between processes (a pipeline run free): through sockets
-    jax.config.update("jax_cross_host_transfer_socket_address",
-                      f"127.0.0.1:{spec['transfer'][rank]}")
+    if os.environ.get("HAPSYNTH_BENCH_TRANSFERS"):  # jax.device_put between processes (a
+        # pipeline run free), through sockets: opt in (the MLP's harness run died with it
+        # set, 2026-12-06, both processes missing heartbeats; not understood yet)
+        jax.config.update("jax_cross_host_transfer_socket_address",
+                          f"127.0.0.1:{spec['transfer'][rank]}")
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{spec['port']}",
                                num_processes=spec["processes"], process_id=rank,
                                heartbeat_timeout_seconds=30, initialization_timeout=120)

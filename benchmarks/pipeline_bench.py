@@ -105,6 +105,7 @@ def measure(model: str, config: str, ratio: float, reps: int, time_limit: float)
     import jax
 
     from hapsynth import profile
+    from hapsynth._jax import moves_across_processes
     from hapsynth.api import make_plan
     from hapsynth.ir import lift
     from hapsynth.lower.freerun import FreeRunning
@@ -153,7 +154,10 @@ def measure(model: str, config: str, ratio: float, reps: int, time_limit: float)
     spmd = plan(cluster, pipeline=False)
     alone = plan(cluster.subset((0,)), pipeline=False)
     pipe = plan(cluster, pipeline=True, pipeline_runtime="ticks")
-    free = plan(cluster, pipeline=True, pipeline_runtime="free")  # run free where cheaper
+    # run free where cheaper, when arrays move between the processes
+    # (HAPSYNTH_BENCH_TRANSFERS=1, `launch.py`)
+    free = plan(cluster, pipeline=True, pipeline_runtime="free") if moves_across_processes() \
+        else pipe
     progress(f"planned: SPMD-only {spmd.predicted_step_time * 1e3:.1f} ms ({spmd.chosen}), "
              f"fast device alone {alone.predicted_step_time * 1e3:.1f} ms, "
              f"pipeline {pipe.predicted_step_time * 1e3:.1f} ms")

@@ -52,6 +52,12 @@ def test_free_running_pipelines_equal_one_device(model, shape):
     if shape == "V":
         assert plan.stages[0]["devices"] == plan.stages[2]["devices"] != plan.stages[1]["devices"]
         assert plan.stages[1]["ops"] > 0 and plan.stages[0]["ops"] + plan.stages[2]["ops"] > 0
+        assert plan.schedule().place == (0, 1, 0)  # its table and picture: two groups
+        assert plan.schedule().bubble() == pytest.approx(plan.pipeline["bubble"])
+        # the island running both ends is busy with both
+        busy = [pipe.micros * (f + b) + t for f, b, t in zip(pipe.forward, pipe.backward, pipe.tail)]
+        ends = cluster.classes[cluster.class_of(plan.stages[0]["devices"][0])].name
+        assert plan.breakdown["compute_per_class"][ends] == pytest.approx(busy[0] + busy[2])
     par = hs.parallelize(step, cluster=cluster, plan=hs.Plan.from_json(plan.to_json()))
     low = par.lowered(*args)
     assert isinstance(low, FreeRunning)

@@ -836,6 +836,9 @@ def as_plan(pipe: Pipeline, dp: Plan, spmd: Plan, cluster: Cluster, runtime: str
     names = [c.name for c in cluster.classes]
     islands, of = stage_groups(cluster)
     busy_stage = [M * (f + b) + t for f, b, t in zip(pipe.forward, pipe.backward, pipe.tail)]
+    # (a group of devices running several stages, a V's, is busy with all of them)
+    busy_stage = [sum(x for k, x in zip(pipe.order, busy_stage) if k == pipe.order[s])
+                  for s in range(len(busy_stage))]
     work = sum(f + b for f, b in zip(pipe.forward, pipe.backward)) or 1.0
     ratios = dict.fromkeys(names, 0.0)
     busy = dict.fromkeys(names, 0.0)

@@ -147,9 +147,13 @@ class Plan:
         from hapsynth.synth.pipeschedule import PipeSchedule, Slot
         p = self.pipeline
         slots = tuple(Slot(int(a), int(m), ph, float(x), float(y)) for a, m, ph, x, y in p["slots"])
+        # stages on one group of devices (a V's ends) share it: one work at a time there
+        groups = [tuple(s.get("devices", (k,))) for k, s in enumerate(self.stages)]
+        place = tuple(list(dict.fromkeys(groups)).index(g) for g in groups)
         return PipeSchedule(p["schedule"], len(self.stages), int(p["micros"]), slots,
                             float(p["makespan"]), tuple(s["in_flight"] for s in self.stages),
-                            ticks=tuple(tuple(r) for r in p["table"]))
+                            ticks=tuple(tuple(r) for r in p["table"]),
+                            place=place if len(set(place)) < len(place) else ())
 
     def stage_lines(self) -> list[str]:
         """A pipeline plan's stages and schedule, a line each (what `summary` prints)."""
