@@ -206,3 +206,23 @@ def test_a_branch_hook_repeats_the_works_of_a_stage_run_free():
                    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)))
         assert (not diff <= 1e-3) == changes, (repeat, diff)
     assert all(fn._cache_size() == 1 for fn in slow._works.values())
+
+
+@pytest.mark.slow  # traces two outside models (~25 s)
+@pytest.mark.parametrize("name", ["linen_transformer", "nnx_gpt"])
+def test_outside_models_run_free_equal_one_device(name):
+    """Train steps written elsewhere (`tests/elsewhere`: a Flax linen transformer, an NNX
+    GPT) run as a V, free: 3 steps equal one-device `jit`."""
+    from elsewhere import get as outside
+
+    step, args = outside(name, "tiny")
+    cluster = two_islands()
+    pipe, plan = _free_plan(step, args, cluster, "V")
+    par = hs.parallelize(step, cluster=cluster, plan=plan)
+    assert isinstance(par.lowered(*args), FreeRunning)
+    k = state_arity(step, args)
+    got = want = args
+    for _ in range(3):
+        want = jax.jit(step)(*want[:k], *args[k:])
+        got = par(*got[:k], *args[k:])
+        compare(hs.gather(got), want, rtol=2e-3)
