@@ -65,9 +65,6 @@ class FreeRunning(StageWiring):
         self.meshes = [Mesh(np.array([devices[d] for d in st["devices"]]), (DATA,))
                        for st in plan.stages]
         STAGE_DEVICES.update(frozenset(d.id for d in m.devices.flat) for m in self.meshes)
-        r, prog = self.r, self.prog
-        self.made_in = {t: "F" if r.forward[i] else "B" for i, e in enumerate(prog.eqns)
-                        for t in e.outputs}
         # per (stage, phase): the phases whose values it reads (they run first)
         self.sources = {(s, ph): sorted({(a, pha) for (a, pha), dests in self.sends.items()
                                          if (s, ph) in dests} | ({(s, "F")} if ph == "B" else set()))
@@ -82,6 +79,12 @@ class FreeRunning(StageWiring):
                 f"the device of the same place in the next stage")
         self._works = {key: self._work(*key) for key in self.sources}
         self._sums: dict = {}
+        self._data_fns: dict = {}
+        self._whole = [NamedSharding(m, PS()) for m in self.meshes]
+        self._own = [NamedSharding(m, PS(DATA)) for m in self.meshes]
+        # per state leaf, the stages reading it (its owner, and those copying it)
+        self._holders = [sorted({self.owner[p], *[s for s in range(self.S) if p in self.copies[s]]})
+                         for p in range(self.nstate)]
         self._rounds()
 
     # -- what runs when -------------------------------------------------------------------
@@ -195,6 +198,16 @@ class FreeRunning(StageWiring):
         self.results = [o for o in outs[self.nstate:] if not isinstance(o, Const)]
         self.made_on = {o: where[o][0] if o in where else self.out_stage.get(o, 0)
                         for o in self.results}
+        # per round and stage, the values it reads that another stage made: (value, maker)
+        self._wants = {(k, s): list(dict.fromkeys(
+            (x, where[x][0]) for i in self.post[s] if level[i] == k for x in prog.eqns[i].inputs
+            if isinstance(x, int) and x in where and where[x][0] != s)) for k, s in self._post}
+        # per stage, what its state leaves and outputs read from elsewhere once the rounds
+        # ran: (value, the stage making it, or None for a state leaf passed through)
+        self._fetch = {s: [(o, where[o][0] if o in where else None) for o in dict.fromkeys(
+            [outs[p] for p in self.stores[s]] + [o for o in self.results if self.made_on[o] == s])
+            if isinstance(o, int) and (o in where and where[o][0] != s or o in self.leaf)]
+            for s in range(self.S)}
         self._final = {s: jax.jit(self._evaluate(s, [], [
             *[outs[p] for p in self.stores[s] if isinstance(outs[p], int)],
             *[o for o in self.results if self.made_on[o] == s]])) for s in range(self.S)}
@@ -236,10 +249,10 @@ class FreeRunning(StageWiring):
         leaves = self._plain(leaves)
         if len(leaves) != len(prog.inputs):
             raise ValueError(f"expected {len(prog.inputs)} array leaves, got {len(leaves)}")
-        whole = [NamedSharding(m, PS()) for m in self.meshes]
+        whole, own = self._whole, self._own
         state = [{} for _ in range(S)]  # per stage, the state leaves it reads, by id
         for p in range(self.nstate):
-            for s in {self.owner[p], *[s for s in range(S) if p in self.copies[s]]}:
+            for s in self._holders[p]:
                 state[s][prog.inputs[p]] = jax.device_put(leaves[p], whole[s])
         data = [{} for _ in range(S)]
         for s in range(S):
@@ -248,7 +261,6 @@ class FreeRunning(StageWiring):
             if self.data_ops:
                 got = self._data_values(s, got)
             data[s] = got
-        own = [NamedSharding(m, PS(DATA)) for m in self.meshes]
         acc = [{ph: {t: jax.device_put(np.zeros((self.meshes[s].devices.size, *prog.avals[t].shape),
                                                 sum_dtype(prog.avals[t].dtype)), own[s])
                      for t in self.acc[s] if self.made_in[t] == ph} for ph in "FB"}
@@ -273,24 +285,19 @@ class FreeRunning(StageWiring):
             for ph in "FB":
                 avail[s].update(self._summed(s, acc[s][ph]))
         for (k, s), fn in self._post.items():
-            for i in self.post[s]:
-                if self.level[i] != k:
-                    continue
-                for x in prog.eqns[i].inputs:
-                    if isinstance(x, int) and x in self.where and self.where[x][0] != s \
-                            and x not in avail[s]:
-                        avail[s][x] = self._put(avail[self.where[x][0]][x], s)
+            for x, src in self._wants[(k, s)]:
+                if x not in avail[s]:
+                    avail[s][x] = self._put(avail[src][x], s)
             avail[s].update(fn(avail[s], *self._extra(s)))
         outs = prog.outputs
         for s in range(S):  # what the last round made elsewhere, for a state leaf or output
-            for o in [outs[p] for p in self.stores[s]] + [o for o in self.results
-                                                          if self.made_on[o] == s]:
-                if isinstance(o, int) and o not in avail[s]:
-                    src = self.where.get(o, (None,))[0]
-                    if src is not None and o in avail[src]:
-                        avail[s][o] = self._put(avail[src][o], s)
-                    elif o in self.leaf and o not in avail[s]:
-                        avail[s][o] = jax.device_put(leaves[self.leaf[o]], whole[s])
+            for o, src in self._fetch[s]:
+                if o in avail[s]:
+                    continue
+                if src is not None and o in avail[src]:
+                    avail[s][o] = self._put(avail[src][o], s)
+                elif o in self.leaf:
+                    avail[s][o] = jax.device_put(leaves[self.leaf[o]], whole[s])
         final = [self._final[s](avail[s]) for s in range(S)]
         new = []
         for p in range(self.nstate):
@@ -302,8 +309,7 @@ class FreeRunning(StageWiring):
         return jax.tree.unflatten(prog.out_tree, new + results)
 
     def _data_values(self, s, inputs):
-        if not hasattr(self, "_data_fns"):
-            self._data_fns = {}
+        """The data and what the step makes of it alone (`data_ops`), on stage s."""
         if s not in self._data_fns:
             prog = self.prog
 

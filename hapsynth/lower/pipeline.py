@@ -133,7 +133,7 @@ class Pipelined(StageWiring):
 
     # -- the static plan of the program ------------------------------------------------
     def _static(self):
-        r, prog = self.r, self.prog
+        prog = self.prog
         # what a stage's forward keeps, in buffers of one size for every stage: a tick
         # writes into a buffer whose last reader has run (a pool, `_body`), so a device
         # whose stage keeps nothing that tick passes it through untouched
@@ -169,11 +169,9 @@ class Pipelined(StageWiring):
         self.keep_buffers = self.tables.keep_slots
         # accumulated per phase: a forward adds to its sums only (a loss), a backward to
         # its own (gradients), so neither moves the other's buffer
-        made_in = {t: "F" if r.forward[i] else "B" for i, e in enumerate(prog.eqns)
-                   for t in e.outputs}
         # (in float32 where the sums are narrower: `sum_dtype`; cast back once summed)
         self.acc_packing = {ph: [Packing([(t, prog.avals[t].shape, sum_dtype(prog.avals[t].dtype))
-                                          for t in self.acc[s] if made_in[t] == ph], apart=True)
+                                          for t in self.acc[s] if self.made_in[t] == ph], apart=True)
                                  for s in range(self.S)] for ph in "FB"}
         self.acc_sizes = {ph: bundle(ps) for ph, ps in self.acc_packing.items()}
 

@@ -92,6 +92,9 @@ class StageWiring:
                                for t in prog.eqns[i].outputs
                                if self.plan.tensor_layouts[t].kind == "P" and t in later})
                     for s in range(self.S)}
+        # the phase each value is made in ("F" or "B"): a phase adds to its own sums
+        self.made_in = {t: "F" if r.forward[i] else "B" for i, e in enumerate(prog.eqns)
+                        for t in e.outputs}
         # parameters a stage reads but another stores
         needs = [set() for _ in range(self.S)]
         for i, e in enumerate(prog.eqns):
