@@ -159,11 +159,12 @@ def _die_with_parent(parent: int) -> None:
 
 
 def run(task: str, kwargs: dict | None = None, *, processes: int = 2, timeout: float = 900,
-        pin: bool = True, echo: bool = False) -> object:
+        pin: bool = True, echo: bool = False, transfers: bool = False) -> object:
     """`task(**kwargs)` in `processes` local jax.distributed processes; process 0's result.
 
     With `pin`, process i is bound to core i of this process's affinity set (there must
-    be at least `processes` cores)."""
+    be at least `processes` cores). With `transfers`, `jax.device_put` moves arrays
+    between the processes (through sockets: a pipeline run free)."""
     avail = cores()
     if pin and len(avail) < processes:
         raise RuntimeError(f"{processes} pinned processes need {processes} cores; "
@@ -178,7 +179,7 @@ def run(task: str, kwargs: dict | None = None, *, processes: int = 2, timeout: f
                                                     MALLOC_TUNABLES]))}
     spec = json.dumps({"task": task, "kwargs": kwargs or {}, "processes": processes,
                        "port": port, "cores": avail[:processes] if pin else None,
-                       "transfer": [free_port() for _ in range(processes)],
+                       "transfer": [free_port() for _ in range(processes)] if transfers else None,
                        "path": sys.path, "parent": os.getpid()})
     procs = [subprocess.Popen([sys.executable, "-m", MODULE, spec, str(i)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -229,9 +230,7 @@ def _worker(spec: dict, rank: int) -> None:
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    if os.environ.get("HAPSYNTH_BENCH_TRANSFERS"):  # jax.device_put between processes (a
-        # pipeline run free), through sockets: opt in (the MLP's harness run died with it
-        # set, 2026-12-06, both processes missing heartbeats; not understood yet)
+    if spec["transfer"]:
         jax.config.update("jax_cross_host_transfer_socket_address",
                           f"127.0.0.1:{spec['transfer'][rank]}")
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{spec['port']}",

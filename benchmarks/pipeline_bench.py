@@ -20,8 +20,10 @@ inside a step from the same 1:1 probe (its time less work and fixed cost is its
 all-reduce). The cluster is two islands of those rates joined by the measured link. Planned on it: the best
 SPMD-only plan over both devices (`pipeline=False`), the fast device alone (what a user
 could run instead; two processes do not run a plan on part of their devices, so it is
-run as plain `jax.jit` on process 0's device), and the best pipeline (`pipeline=True`).
-The three are timed alternately (median of `reps`, once untimed rounds no longer grow
+run as plain `jax.jit` on process 0's device), the best pipeline in the tick loop
+(`pipeline=True, pipeline_runtime="ticks"`), and the best run free (`"free"`: the
+processes move arrays by `jax.device_put`, unless `HAPSYNTH_BENCH_TRANSFERS=0`).
+They are timed alternately (median of `reps`, once untimed rounds no longer grow
 the heap, a step that grew it again timed again: `hetero._time_steps`); each prediction is
 printed beside its measurement with the same fixed per-step overhead added, and the
 pipeline's speed-up is over the better of the two SPMD-only ones. Every plan, and every
@@ -154,8 +156,7 @@ def measure(model: str, config: str, ratio: float, reps: int, time_limit: float)
     spmd = plan(cluster, pipeline=False)
     alone = plan(cluster.subset((0,)), pipeline=False)
     pipe = plan(cluster, pipeline=True, pipeline_runtime="ticks")
-    # run free where cheaper, when arrays move between the processes
-    # (HAPSYNTH_BENCH_TRANSFERS=1, `launch.py`)
+    # run free too, when arrays move between the processes (`transfers`)
     free = plan(cluster, pipeline=True, pipeline_runtime="free") if moves_across_processes() \
         else pipe
     progress(f"planned: SPMD-only {spmd.predicted_step_time * 1e3:.1f} ms ({spmd.chosen}), "
@@ -237,10 +238,17 @@ def run(model: str = "gpt", config: str = "small", ratio: float = 2.0, reps: int
               "time_limit": time_limit}
     if link is None:
         from hapsynth_bench import launch
-        return launch.run("hapsynth_bench.pipeline_bench:measure", kwargs, echo=True)
+        return launch.run("hapsynth_bench.pipeline_bench:measure", kwargs, echo=True,
+                          transfers=transfers())
     row = behind_link(link, "hapsynth_bench.pipeline_bench", kwargs)
     row["link_limit"] = link
     return row
+
+
+def transfers() -> bool:
+    """Whether the processes move arrays by `jax.device_put`, so that a pipeline run free
+    is timed beside the tick loop: yes unless `HAPSYNTH_BENCH_TRANSFERS=0`."""
+    return os.environ.get("HAPSYNTH_BENCH_TRANSFERS", "1") != "0"
 
 
 def behind_link(link: str, module: str, kwargs: dict) -> dict:
@@ -300,4 +308,4 @@ if __name__ == "__main__":  # inside the namespace: run the processes, print the
     from hapsynth_bench import launch
 
     print(json.dumps(launch.run("hapsynth_bench.pipeline_bench:measure", json.loads(sys.argv[1]),
-                                echo=True)))
+                                echo=True, transfers=transfers())))

@@ -82,6 +82,7 @@ class FreeRunning(StageWiring):
         self._data_fns: dict = {}
         self._whole = [NamedSharding(m, PS()) for m in self.meshes]
         self._own = [NamedSharding(m, PS(DATA)) for m in self.meshes]
+        self._zeros = {(s, ph): self._zeros_of(s, ph) for s in range(self.S) for ph in "FB"}
         # per state leaf, the stages reading it (its owner, and those copying it)
         self._holders = [sorted({self.owner[p], *[s for s in range(self.S) if p in self.copies[s]]})
                          for p in range(self.nstate)]
@@ -181,14 +182,22 @@ class FreeRunning(StageWiring):
             for t in prog.eqns[i].outputs:
                 where[t] = (s, level[i])
         self.where, self.level = where, level
-        later = {x for ids in self.post.values() for i in ids for x in prog.eqns[i].inputs
-                 if isinstance(x, int)} | {o for o in prog.outputs if isinstance(o, int)}
+        # per value, the rounds (level, stage) reading it: a round returns only what
+        # another round or the step's outputs read (the rest stays inside its program)
+        readers: dict = {}
+        for ids in self.post.values():
+            for i in ids:
+                for x in prog.eqns[i].inputs:
+                    if isinstance(x, int):
+                        readers.setdefault(x, set()).add((level[i], self.stage[i]))
+        outputs = {o for o in prog.outputs if isinstance(o, int)}
         self._post = {}
         for k in sorted(set(level.values())):
             for s in range(self.S):
                 ops = [i for i in self.post[s] if level[i] == k]
                 if ops:
-                    made = [t for i in ops for t in prog.eqns[i].outputs if t in later]
+                    made = [t for i in ops for t in prog.eqns[i].outputs
+                            if t in outputs or readers.get(t, set()) - {(k, s)}]
                     self._post[(k, s)] = self._program(s, self._evaluate(s, ops, made),
                                                        (PS(),), PS())
         # per stage, the state leaves it stores and the outputs it makes (once the rounds ran)
@@ -208,9 +217,20 @@ class FreeRunning(StageWiring):
             [outs[p] for p in self.stores[s]] + [o for o in self.results if self.made_on[o] == s])
             if isinstance(o, int) and (o in where and where[o][0] != s or o in self.leaf)]
             for s in range(self.S)}
-        self._final = {s: jax.jit(self._evaluate(s, [], [
+        self._final = {s: list(dict.fromkeys([
             *[outs[p] for p in self.stores[s] if isinstance(outs[p], int)],
             *[o for o in self.results if self.made_on[o] == s]])) for s in range(self.S)}
+        self._made_last: dict = {}  # (stage, values no round made) -> a program making them
+
+    def _last(self, s, avail: dict) -> dict:
+        """What stage s stores and outputs: those made already as they are (no copies),
+        the rest (ops of no stage, on what it holds) by one program."""
+        missing = tuple(t for t in self._final[s] if t not in avail)
+        if missing:
+            if (s, missing) not in self._made_last:
+                self._made_last[(s, missing)] = jax.jit(self._evaluate(s, [], list(missing)))
+            avail = {**avail, **self._made_last[(s, missing)](avail)}
+        return {t: avail[t] for t in self._final[s]}
 
     def _evaluate(self, s, ops, wanted):
         """Ops once per step, whole, on stage s: (its values by id) -> `wanted` by id
@@ -232,6 +252,14 @@ class FreeRunning(StageWiring):
     def _put(self, x, s):
         return jax.device_put(x, NamedSharding(self.meshes[s], PS()))
 
+    def _zeros_of(self, s, ph):
+        """A program making stage s's sums of phase `ph` zero, one row per device, on the
+        devices (not moved there from the host at every step)."""
+        n, avals = self.meshes[s].devices.size, self.prog.avals
+        sums = [t for t in self.acc[s] if self.made_in[t] == ph]
+        return jax.jit(lambda: {t: jnp.zeros((n, *avals[t].shape), sum_dtype(avals[t].dtype))
+                                for t in sums}, out_shardings=self._own[s])
+
     def _summed(self, s, acc) -> dict:
         """The sums of a stage's devices, each whole on every one, in their own dtypes."""
         key = (s, tuple(acc))
@@ -239,7 +267,8 @@ class FreeRunning(StageWiring):
             avals = self.prog.avals
             self._sums[key] = jax.jit(lambda a: {t: v.sum(0).astype(avals[t].dtype)
                                                  for t, v in a.items()},
-                                      out_shardings=NamedSharding(self.meshes[s], PS()))
+                                      out_shardings=NamedSharding(self.meshes[s], PS()),
+                                      donate_argnums=0)
         return self._sums[key](acc)
 
     def run(self, leaves):
@@ -261,10 +290,7 @@ class FreeRunning(StageWiring):
             if self.data_ops:
                 got = self._data_values(s, got)
             data[s] = got
-        acc = [{ph: {t: jax.device_put(np.zeros((self.meshes[s].devices.size, *prog.avals[t].shape),
-                                                sum_dtype(prog.avals[t].dtype)), own[s])
-                     for t in self.acc[s] if self.made_in[t] == ph} for ph in "FB"}
-               for s in range(S)]
+        acc = [{ph: self._zeros[(s, ph)]() for ph in "FB"} for s in range(S)]
         inbox: dict = {}
         kept: dict = {}
         for s, m, ph in self.order:
@@ -298,7 +324,7 @@ class FreeRunning(StageWiring):
                     avail[s][o] = self._put(avail[src][o], s)
                 elif o in self.leaf:
                     avail[s][o] = jax.device_put(leaves[self.leaf[o]], whole[s])
-        final = [self._final[s](avail[s]) for s in range(S)]
+        final = [self._last(s, avail[s]) for s in range(S)]
         new = []
         for p in range(self.nstate):
             o, s = outs[p], self.owner[p]
