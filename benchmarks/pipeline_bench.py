@@ -40,6 +40,9 @@ import sys
 import uuid
 
 NAMESPACE = "hapsynth-bench"
+#: Seconds a run may take: the paper MLP's takes 13-15 min behind 400 Mbit/s, most of it
+#: the calibration's data-parallel steps (10 s each, some timed again).
+TIMEOUT = 2400
 
 
 def _islands(flops: float, bandwidth: float, ratio: float, link: dict | None):
@@ -239,7 +242,7 @@ def run(model: str = "gpt", config: str = "small", ratio: float = 2.0, reps: int
     if link is None:
         from hapsynth_bench import launch
         return launch.run("hapsynth_bench.pipeline_bench:measure", kwargs, echo=True,
-                          transfers=transfers())
+                          transfers=transfers(), timeout=TIMEOUT)
     row = behind_link(link, "hapsynth_bench.pipeline_bench", kwargs)
     row["link_limit"] = link
     return row
@@ -269,12 +272,16 @@ def best_spmd(times: dict) -> float:
 
 
 def format_row(r: dict) -> str:
+    """A row's step times (measured, predicted, error), then each pipeline's speed-ups:
+    over SPMD-only across both devices (the planner's `baselines["SPMD"]`) and over the
+    better of that and the fast device alone (what a user could run instead)."""
     m, p = r["measured"], r["predicted"]
     ln = r["link"]
     pipe = r["pipeline"]
     idle = [s for s, n in zip(pipe["stages"], pipe.get("ops", pipe.get(
         "work", [1] * len(pipe["stages"])))) if n <= 0]  # (before "ops": its work was 0)
     emulated = r.get("calibration", {}).get("emulated")
+    free = r.get("free") if "free" in m else None
     lines = [f"{r['model']} at {r['ratio']}" + (f" (runs as {emulated:.2f}:1)" if emulated else "")
              + f", link {r.get('link_limit', 'loopback')} (psum sweep "
              f"{ln.get('swept_bandwidth', ln['bandwidth']) / 1e6:.1f} MB/s, in a step "
@@ -282,25 +289,27 @@ def format_row(r: dict) -> str:
              f"pipeline {len(pipe['stages'])} stages x {pipe['micros']} microbatches, "
              f"{pipe['schedule']}" + (f" ({', '.join(idle)} idle: the fast device alone, "
                                       f"in microbatches)" if idle else "")
-             + f"; SPMD-only: {r['spmd_chosen']}",
-             f"{'':>10} {'SPMD-only':>10} {'fast alone':>10} {'pipeline':>10} {'speed-up':>9}"
-             f"  (over the better SPMD-only)" + (f" {'run free':>10} {'speed-up':>9}"
-                                                 if "free" in m else "")]
-    cols = ("SPMD", "alone", "pipeline")
-    pad = " " * 30  # under "(over the better SPMD-only)"
+             + (f"; run free {len(free['stages'])} stages x {free['micros']} microbatches, "
+                f"{free['schedule']}" if free else "") + f"; SPMD-only: {r['spmd_chosen']}"]
+    cols = [k for k in ("SPMD", "alone", "pipeline", "free") if k in m]
+    names = {"SPMD": "SPMD-only", "alone": "fast alone", "pipeline": "tick loop",
+             "free": "run free"}
+    lines.append(f"{'':>10} " + " ".join(f"{names[k]:>10}" for k in cols))
     for label, d in (("measured", m), ("predicted", p)):
-        lines.append(f"{label:>10} " + " ".join(
-            f"{d[k] * 1e3:8.1f}ms" if k in d else f"{'-':>10}" for k in cols)
-            + f" {best_spmd(d) / d['pipeline']:8.2f}x" + (
-                f"{pad}{d['free'] * 1e3:8.1f}ms {best_spmd(d) / d['free']:8.2f}x"
-                if "free" in m else ""))
-    sm, sp = best_spmd(m) / m["pipeline"], best_spmd(p) / p["pipeline"]
+        lines.append(f"{label:>10} " + " ".join(f"{d[k] * 1e3:8.1f}ms" for k in cols))
+    lines.append(f"{'error':>10} " + " ".join(f"{100 * (p[k] - m[k]) / m[k]:+9.0f}%"
+                                              for k in cols))
+    pipes = [k for k in ("pipeline", "free") if k in m]
+    ups = {"over SPMD-only": lambda d, k: d["SPMD"] / d[k],
+           "over the better": lambda d, k: best_spmd(d) / d[k]}
+    pairs = [(o, k) for o in ups for k in pipes]
+    span = 11 * len(pipes) - 1
+    lines.append(f"{'speed-up':>10} " + " ".join(f"{o:^{span}}" for o in ups))
+    lines.append(f"{'':>10} " + " ".join(f"{names[k]:>10}" for _, k in pairs))
+    for label, d in (("measured", m), ("predicted", p)):
+        lines.append(f"{label:>10} " + " ".join(f"{ups[o](d, k):9.2f}x" for o, k in pairs))
     lines.append(f"{'error':>10} " + " ".join(
-        f"{100 * (p[k] - m[k]) / m[k]:+9.0f}%" if k in m else f"{'-':>10}" for k in cols)
-        + f" {100 * (sp - sm) / sm:+8.0f}%" + (
-            f"{pad}{100 * (p['free'] - m['free']) / m['free']:+9.0f}% "
-            f"{100 * (best_spmd(p) / p['free'] - best_spmd(m) / m['free']) / (best_spmd(m) / m['free']):+8.0f}%"
-            if "free" in m else ""))
+        f"{100 * (ups[o](p, k) / ups[o](m, k) - 1):+9.0f}%" for o, k in pairs))
     return "\n".join(lines)
 
 
@@ -308,4 +317,4 @@ if __name__ == "__main__":  # inside the namespace: run the processes, print the
     from hapsynth_bench import launch
 
     print(json.dumps(launch.run("hapsynth_bench.pipeline_bench:measure", json.loads(sys.argv[1]),
-                                echo=True, transfers=transfers())))
+                                echo=True, transfers=transfers(), timeout=TIMEOUT)))

@@ -149,6 +149,35 @@ def test_launcher_runs_pinned_single_device_processes():
         assert len(out["cores"][0]) == 1
 
 
+def _moved():
+    """Process 1's device holds what process 0's made, moved by `jax.device_put`."""
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from hapsynth._jax import moves_across_processes
+
+    on = [NamedSharding(Mesh(np.array([d]), ("x",)), PartitionSpec()) for d in jax.devices()]
+    made = jax.jit(lambda: jax.numpy.arange(1000.0), out_shardings=on[0])()
+    moved = jax.device_put(made, on[1])
+    total = jax.jit(lambda v: v.sum(), out_shardings=on[1])(moved)  # on process 1
+    back = jax.device_put(total, on[0])
+    return {"moves": moves_across_processes(),
+            "sum": [float(s.data) for s in back.addressable_shards]}
+
+
+@pytest.mark.slow
+def test_launcher_processes_move_arrays_when_asked():
+    """With `transfers` (the pipeline bench's default), an array made on process 0's
+    device reaches process 1's by `jax.device_put`; without it JAX refuses the move."""
+    import numpy as np
+
+    out = launch.run("test_emulation:_moved", processes=2, timeout=120, pin=False,
+                     transfers=True)
+    assert out["moves"] and out["sum"] == [float(np.arange(1000.0).sum())]
+    with pytest.raises(RuntimeError, match="cross.host"):
+        launch.run("test_emulation:_moved", processes=2, timeout=120, pin=False)
+
+
 def _barrier():
     import time
 
