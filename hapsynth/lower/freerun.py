@@ -118,7 +118,7 @@ class FreeRunning(StageWiring):
         backward, what it sends). What a device holds of a microbatch's values crosses
         with a leading axis of the stage's devices (device k of one stage to device k of
         the next), so any layout does; sums stay each device's own until the step's end."""
-        sums = [t for t in self.acc[s] if self.made_in[t] == ph]
+        sums = self.sums_of(s, ph)
         keep = self.keeps[s] if ph == "F" else []
         sent = sorted({x for xs in self.sends.get((s, ph), {}).values() for x in xs})
         ops, rows = self.core[(s, ph)], self.rows[s][0]
@@ -256,7 +256,7 @@ class FreeRunning(StageWiring):
         """A program making stage s's sums of phase `ph` zero, one row per device, on the
         devices (not moved there from the host at every step)."""
         n, avals = self.meshes[s].devices.size, self.prog.avals
-        sums = [t for t in self.acc[s] if self.made_in[t] == ph]
+        sums = self.sums_of(s, ph)
         return jax.jit(lambda: {t: jnp.zeros((n, *avals[t].shape), sum_dtype(avals[t].dtype))
                                 for t in sums}, out_shardings=self._own[s])
 

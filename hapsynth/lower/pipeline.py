@@ -171,7 +171,7 @@ class Pipelined(StageWiring):
         # its own (gradients), so neither moves the other's buffer
         # (in float32 where the sums are narrower: `sum_dtype`; cast back once summed)
         self.acc_packing = {ph: [Packing([(t, prog.avals[t].shape, sum_dtype(prog.avals[t].dtype))
-                                          for t in self.acc[s] if self.made_in[t] == ph], apart=True)
+                                          for t in self.sums_of(s, ph)], apart=True)
                                  for s in range(self.S)] for ph in "FB"}
         self.acc_sizes = {ph: bundle(ps) for ph, ps in self.acc_packing.items()}
 

@@ -106,6 +106,10 @@ class StageWiring:
             needs[s] |= outs
         self.copies = [sorted(p for p in needs[s] if self.owner[p] != s) for s in range(self.S)]
 
+    def sums_of(self, s, ph) -> list:
+        """Stage s's sums that phase `ph` ("F" or "B") adds to."""
+        return [t for t in self.acc[s] if self.made_in[t] == ph]
+
     def _output_needs(self):
         """Outputs made from state alone (a state input, or by pre ops): a state output on
         its owner, another output on the stage storing the first parameter it reads

@@ -179,8 +179,8 @@ class Plan:
                        f"per microbatch, tail {st['tail'] * 1e3:.4g} ms, "
                        f"{st['memory'] / 2**30:.2f} GiB, {st['in_flight']} in flight"
                        + (", holds no ops" + ("" if any(
-                           o.get("ops", 1) and o.get("devices") == st.get("devices") is not None
-                           for o in self.stages)
+                           o.get("ops", 1) and st.get("devices") is not None
+                           and o.get("devices") == st["devices"] for o in self.stages)
                            else " (its devices idle)") if st.get("ops", 1) == 0 else ""))
         working = [st for st in self.stages if st.get("ops", 1)]
         if len(working) == 1 < S:
