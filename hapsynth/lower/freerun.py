@@ -33,7 +33,7 @@ from hapsynth._jax import moves_across_processes
 from hapsynth.ir.signature import of_program
 from hapsynth.ir.trace import Const, Program
 from hapsynth.lower import cpu
-from hapsynth.lower.values import STAGE_DEVICES, Sharded, Staged, unshard
+from hapsynth.lower.values import STAGE_DEVICES, Sharded, Staged, plain
 from hapsynth.lower.wiring import StageWiring
 from hapsynth.synth.plan import Plan
 from hapsynth.synth.slots import sum_dtype
@@ -52,9 +52,6 @@ class FreeRunning(StageWiring):
         plan.check(of_program(prog))
         super().__init__(prog, plan)
         self.hook = branch_hook
-        if prog.split:
-            raise NotImplementedError("a free-running pipeline of a step whose state is read "
-                                      "as rows (a stack scanned over)")
         owners = [{devices[d].process_index for d in st["devices"]} for st in plan.stages]
         if len(set().union(*owners)) > 1 and not moves_across_processes():
             raise RuntimeError(
@@ -275,9 +272,7 @@ class FreeRunning(StageWiring):
         """One step on the flattened arguments (arrays; `hs.Sharded` or `hs.Staged` leaves
         are gathered first); the new state comes back on each leaf's stage."""
         prog, S = self.prog, self.S
-        leaves = self._plain(leaves)
-        if len(leaves) != len(prog.inputs):
-            raise ValueError(f"expected {len(prog.inputs)} array leaves, got {len(leaves)}")
+        leaves = [plain(x) for x in self._inputs(leaves, plain)]
         whole, own = self._whole, self._own
         state = [{} for _ in range(S)]  # per stage, the state leaves it reads, by id
         for p in range(self.nstate):
@@ -332,7 +327,7 @@ class FreeRunning(StageWiring):
                                       whole[s]) if isinstance(o, Const) else final[s][o])
         results = [jnp.asarray(o.value) if isinstance(o, Const) else final[self.made_on[o]][o]
                    for o in outs[self.nstate:]]
-        return jax.tree.unflatten(prog.out_tree, new + results)
+        return jax.tree.unflatten(prog.out_tree, self._state(new, self.owner) + results)
 
     def _data_values(self, s, inputs):
         """The data and what the step makes of it alone (`data_ops`), on stage s."""
@@ -353,15 +348,11 @@ class FreeRunning(StageWiring):
         """The arguments as this program reads them: each state leaf whole on its stage's
         devices (the data goes to every stage's devices at each step)."""
         leaves, tree = jax.tree.flatten(args, is_leaf=lambda v: isinstance(v, (Sharded, Staged)))
-        leaves = self._plain(leaves)
-        return jax.tree.unflatten(tree, [
-            jax.device_put(x, NamedSharding(self.meshes[self.owner[p]], PS()))
-            if p < self.nstate else jnp.asarray(x) for p, x in enumerate(leaves)])
-
-    @staticmethod
-    def _plain(leaves) -> list:
-        return [unshard(x) if isinstance(x, Sharded) else x.value() if isinstance(x, Staged)
-                else x for x in leaves]
+        leaves = [plain(x) for x in self._inputs(leaves, plain)]
+        state = [jax.device_put(x, self._whole[self.owner[p]])
+                 for p, x in enumerate(leaves[:self.nstate])]
+        return jax.tree.unflatten(tree, self._state(state, self.owner)
+                                  + [jnp.asarray(x) for x in leaves[self.nstate:]])
 
     def __call__(self, *args):
         return self.run(jax.tree.flatten(args, is_leaf=lambda v: isinstance(v, (Sharded, Staged)))[0])

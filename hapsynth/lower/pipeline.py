@@ -54,7 +54,7 @@ from hapsynth.ir.trace import Const, Program
 from hapsynth.lower import cpu
 from hapsynth.lower.packing import Packing, Ref, bundle, dtype_of, pad_to, trim
 from hapsynth.synth.slots import APART_BYTES, B, F, sum_dtype, tick_tables, wire_rounds
-from hapsynth.lower.values import Sharded, Staged, StagedRows, unshard
+from hapsynth.lower.values import Sharded, Staged, plain, unshard
 from hapsynth.lower.wiring import StageWiring
 from hapsynth.synth.plan import Plan
 
@@ -696,39 +696,11 @@ class Pipelined(StageWiring):
             out.append(Staged(bufs, self.owner[p], k, off, shape, dtype_of(k), self))
         return out
 
-    def _inputs(self, leaves) -> list:
-        """The step's argument leaves as the program's inputs: a leaf the program reads
-        as rows (`Program.split`) gives one input per row."""
-        split = self.prog.split
-        n_leaves = len(self.prog.inputs) - self.nstate + self.leaves
-        if len(leaves) != n_leaves:
-            raise ValueError(f"expected {n_leaves} array leaves, got {len(leaves)}")
-        out = []
-        for k, x in enumerate(leaves):
-            n = split[k] if k < len(split) else 0
-            if not n:
-                out.append(x)
-            elif isinstance(x, StagedRows) and x.owner is self:
-                out += x.rows
-            else:
-                x = x.value() if isinstance(x, Staged) else unshard(x) if isinstance(
-                    x, Sharded) else x
-                out += [x[i] for i in range(n)]
-        return out
-
-    def _state(self, staged) -> list:
-        """Program state leaves back as the step's: rows regrouped (`StagedRows`)."""
-        out, it = [], iter(staged)
-        for k in range(self.leaves):
-            n = self.prog.split[k] if k < len(self.prog.split) else 0
-            out.append(StagedRows(next(it) for _ in range(n)) if n else next(it))
-        return out
-
     def shard(self, *args):
         """The arguments stored as this program reads them: state as `Staged` leaves of
         the per-stage buffers, data on every device."""
         leaves, tree = jax.tree.flatten(args, is_leaf=lambda v: isinstance(v, (Sharded, Staged)))
-        leaves = self._inputs(leaves)
+        leaves = self._inputs(leaves, plain)
         bufs = dict(zip(self.state_order, self._pack_state(leaves)))
         rep = NamedSharding(self.mesh, PS())
         data = [jax.device_put(jnp.asarray(x), rep) for x in leaves[self.nstate:]]
@@ -736,7 +708,7 @@ class Pipelined(StageWiring):
 
     def _arguments(self, leaves) -> list:
         """The program's arguments for one step on the flattened arguments."""
-        leaves = self._inputs(leaves)
+        leaves = self._inputs(leaves, plain)
         state = self._pack_state(leaves)
         rep = NamedSharding(self.mesh, PS())
         data = [jax.device_put(jnp.asarray(x), rep) for x in leaves[self.nstate:]]

@@ -86,25 +86,30 @@ class Staged:
 
 
 class StagedRows(Staged):
-    """A layer-stacked state leaf stored as its rows, each on the stage of its layer."""
+    """A layer-stacked state leaf stored as its rows, each on the stage of its layer: rows
+    of a tick loop's buffers (`Staged`), or arrays whole on their stages' devices (a
+    pipeline run free: `stages` names them). The next step reads the rows where they are."""
 
-    def __init__(self, rows):
+    def __init__(self, rows, owner=None, stages=None):
         self.rows = tuple(rows)
         first = self.rows[0]
-        self.buffers, self.key, self.owner = first.buffers, first.key, first.owner
+        staged = isinstance(first, Staged)
+        self.owner = first.owner if staged else owner
+        self.buffers, self.key = (first.buffers, first.key) if staged else (None, None)
         self.stage, self.offset = None, None
-        self.shape, self.dtype = (len(self.rows), *first.shape), first.dtype
+        self.shape, self.dtype = (len(self.rows), *first.shape), np.dtype(first.dtype)
+        self._stages = tuple(stages) if stages is not None else tuple(r.stage for r in self.rows)
 
     @property
     def stages(self) -> tuple[int, ...]:
-        return tuple(r.stage for r in self.rows)
+        return self._stages
 
     def value(self):
-        return jnp.stack([r.value() for r in self.rows])
+        return jnp.stack([r.value() if isinstance(r, Staged) else jnp.asarray(
+            np.asarray(_addressable(r))) for r in self.rows])
 
     def __repr__(self):
         return f"StagedRows(stages {self.stages}, shape={self.shape})"
-
 
 
 def spec(layout: Layout, ndim: int) -> PS:
@@ -207,6 +212,11 @@ def unshard(value: Sharded):
         return jnp.asarray(data.sum(axis=0, dtype=data.dtype))
     g = Geometry.of(layout, value.shape, dict([(layout.units, value.units)]))
     return jnp.asarray(np.take(data, g.compact_index(), axis=layout.dim))
+
+
+def plain(v):
+    """The array a leaf stands for, `Sharded` or `Staged` (on every process)."""
+    return unshard(v) if isinstance(v, Sharded) else v.value() if isinstance(v, Staged) else v
 
 
 def gather(tree):

@@ -15,7 +15,7 @@ from hapsynth.ir import lift_program
 from hapsynth.ir.rules import evaluate_block, facts, local_params
 from hapsynth.ir.trace import Const, Program
 from hapsynth.lower import cpu
-from hapsynth.lower.values import Sharded, Staged
+from hapsynth.lower.values import Sharded, Staged, StagedRows
 from hapsynth.synth.plan import Plan
 from hapsynth.synth.stages import analyse, stage_of
 
@@ -205,6 +205,40 @@ class StageWiring:
         return out
 
     # -- arguments -------------------------------------------------------------------------
+    def _inputs(self, leaves, plain=lambda x: x) -> list:
+        """The step's argument leaves as the program's inputs: a leaf the program reads
+        as rows (`Program.split`) gives one input per row (this runtime's own
+        `StagedRows` as they are held; any other leaf made `plain` first and sliced)."""
+        split = self.prog.split
+        n_leaves = len(self.prog.inputs) - self.nstate + self.leaves
+        if len(leaves) != n_leaves:
+            raise ValueError(f"expected {n_leaves} array leaves, got {len(leaves)}")
+        out = []
+        for k, x in enumerate(leaves):
+            n = split[k] if k < len(split) else 0
+            if not n:
+                out.append(x)
+            elif isinstance(x, StagedRows) and x.owner is self:
+                out += x.rows
+            else:
+                x = plain(x)
+                out += [x[i] for i in range(n)]
+        return out
+
+    def _state(self, rows, stages=None) -> list:
+        """The program's state leaves back as the step's: the rows of a stacked leaf
+        regrouped as `StagedRows` (`stages`: each row's stage, where rows are arrays)."""
+        out, it, p = [], iter(rows), 0
+        for k in range(self.leaves):
+            n = self.prog.split[k] if k < len(self.prog.split) else 0
+            if n:
+                out.append(StagedRows([next(it) for _ in range(n)], owner=self, stages=None
+                                      if stages is None else stages[p:p + n]))
+            else:
+                out.append(next(it))
+            p += max(n, 1)
+        return out
+
     def load(self, load, *args):
         """Like `shard`, every leaf given as a `jax.ShapeDtypeStruct` read through
         `load(path, dim, start, stop)`: whole (`load(path, 0, 0, n)`), since every device

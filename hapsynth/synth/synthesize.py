@@ -273,7 +273,7 @@ def with_pipeline(graph: Graph, cluster: Cluster, spmd: Plan | None, *, num_stat
     stages are cut (the plan then runs that program: `pipeline["unrolled"]`). `runtime`:
     "ticks", pipelines run in one tick loop (`Pipelined`); "free", pipelines priced
     free-running, V shapes among them, are candidates too where `FreeRunning` runs them
-    (the step as written, every stage on as many devices holding as many rows); "auto",
+    (every stage on as many devices holding as many rows); "auto",
     as "free" where this process drives every device or `jax.device_put` moves arrays
     between processes, else as "ticks". The plan's `pipeline["runtime"]` says which runs
     it (`synth.pipeline.RUNTIMES`)."""
@@ -317,8 +317,7 @@ def with_pipeline(graph: Graph, cluster: Cluster, spmd: Plan | None, *, num_stat
 
         from hapsynth._jax import moves_across_processes
         runtime = "free" if jax.process_count() == 1 or moves_across_processes() else "ticks"
-    if runtime == "free" and straight is None:  # (one stage over every device is no
-        # pipeline to run free; a step written out of its loops reads rows of stacks)
+    if runtime == "free":  # (one stage over every device is no pipeline to run free)
         found = [plan_pipeline(graph, cluster, regions, dp.tensor_layouts, num_state_leaves,
                                whole=False, free_running=True),
                  plan_vshape(graph, cluster, regions, dp.tensor_layouts, num_state_leaves,
