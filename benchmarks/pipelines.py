@@ -50,7 +50,7 @@ from hapsynth.api import state_arity  # noqa: E402
 from hapsynth.ir import lift_program, trace  # noqa: E402
 from hapsynth.ir.unroll import written_out  # noqa: E402
 from hapsynth.models import ZOO, get  # noqa: E402
-from hapsynth.synth.pipeline import SCHEDULES, plan_pipeline, plan_vshape  # noqa: E402
+from hapsynth.synth.pipeline import SCHEDULES, islands_of, plan_pipeline, plan_vshape  # noqa: E402
 from hapsynth.synth.stages import NotPipelineable, analyse  # noqa: E402
 from hapsynth.synth.synthesize import data_parallel_plan  # noqa: E402
 
@@ -126,6 +126,12 @@ def row(name: str, config: str, where, time_limit: float) -> dict:
                                        kinds=("1f1b",), whole="only"))
     out["free"] = found(plan_pipeline(graph, cluster, regions, dp.tensor_layouts, n,
                                       kinds=("hetero-1f1b",), free_running=True, whole=False))
+    if len({len(d) for d in islands_of(cluster)}) > 1:  # a stage per island, run free
+        out["islands free"] = found(min(
+            [p for p in (f(graph, cluster, regions, dp.tensor_layouts, n, kinds=("hetero-1f1b",),
+                           free_running=True, whole_islands=True, **kw)
+                         for f, kw in ((plan_pipeline, {"whole": False}), (plan_vshape, {})))
+             if p is not None], key=lambda p: (not p.fits, p.step), default=None))
     out["vee"] = found(plan_vshape(graph, cluster, regions, dp.tensor_layouts, n))
     out["vee free"] = found(plan_vshape(graph, cluster, regions, dp.tensor_layouts, n,
                                         kinds=("hetero-1f1b",), free_running=True))
@@ -140,7 +146,8 @@ def row(name: str, config: str, where, time_limit: float) -> dict:
 def table(rows) -> str:
     head = ("| model | cluster | SPMD-only | GPipe | 1F1B | hetero-1F1B | hetero vs 1F1B | "
             "the same, balanced cuts | free-running (vs SPMD) | accumulation over all | "
-            "V-shaped: lock step / free-running (vs SPMD) | auto picks | auto vs SPMD | "
+            "V-shaped: lock step / free-running (vs SPMD) | "
+            "free-running, a stage per island of unequal sizes (vs SPMD) | auto picks | auto vs SPMD | "
             "auto, tick loop only, vs SPMD | ideal | auto at limit |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
@@ -169,9 +176,11 @@ def table(rows) -> str:
         free = f"{cell('free')} = {r['spmd'] / r['free'][0]:.2f}x" if r.get("free") else "n/a"
         vee = f"{cell('vee')} / {cell('vee free')}" + (
             f" = {r['spmd'] / r['vee free'][0]:.2f}x" if r.get("vee free") else "")
+        whole = (f"{cell('islands free')} = {r['spmd'] / r['islands free'][0]:.2f}x"
+                 if r.get("islands free") else "n/a (equal islands)")
         lines.append(f"| {r['model']} | {r['cluster']} | {r['spmd']:.3f} s | {cell('gpipe')} | "
                      f"{cell('1f1b')} | {cell('hetero-1f1b')} | {ratio} | {balanced} | {free} | "
-                     f"{cell('whole')} | {vee} | {pick} | "
+                     f"{cell('whole')} | {vee} | {whole} | {pick} | "
                      f"{r['spmd'] / r['auto']:.2f}x | {r['spmd'] / r['ticks only']:.2f}x | "
                      f"{r['ideal']:.3f} s | "
                      f"{r['ideal'] / r['auto']:.0%} |")

@@ -25,16 +25,24 @@ from test_pipeline import _regions, four_islands, two_islands
 WORKER = Path(__file__).with_name("freerun_worker.py")
 
 
-def _free_plan(step, args, cluster, shape: str):
+def _free_plan(step, args, cluster, shape: str, whole_islands: bool = False):
     """The best pipeline priced free-running of that shape ("straight" or "V") as a plan
-    run free."""
+    run free (`whole_islands`: a stage per island, whatever their sizes)."""
     graph, dp, regions, n = _regions(step, args, cluster)
     if shape == "V":
-        pipe = P.plan_vshape(graph, cluster, regions, dp.tensor_layouts, n, free_running=True)
+        pipe = P.plan_vshape(graph, cluster, regions, dp.tensor_layouts, n, free_running=True,
+                             whole_islands=whole_islands)
     else:
         pipe = P.plan_pipeline(graph, cluster, regions, dp.tensor_layouts, n, whole=False,
-                               free_running=True)
+                               free_running=True, whole_islands=whole_islands)
     return pipe, P.as_plan(pipe, dp, dp, cluster, runtime="free")
+
+
+def unequal_islands(a: int = 2, b: int = 4) -> hs.Cluster:
+    """An island of `a` A100s and one of `b` V100s, joined by 10 Gbps."""
+    return hs.Cluster.simulated([("A100", a), ("V100", b)], devices_per_host=2,
+                                islands={"a": ["A100"], "b": ["V100"]},
+                                links={"inter_island": {"bandwidth": "10Gbps", "latency": "50us"}})
 
 
 def test_once_per_step_work_returns_only_what_is_read_elsewhere():
@@ -286,3 +294,27 @@ def test_scan_over_layers_runs_free_equal_one_device():
     assert isinstance(stored[0]["layers"]["attn"]["w_qkv"], hs.StagedRows)
     for a, b in zip(jax.tree.leaves(args), jax.tree.leaves(hs.gather(stored))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("model,shape", [("mlp", "straight"), ("gpt", "V")])
+def test_stages_of_unequal_device_counts_run_free(model, shape):
+    """Islands of 2 and 4 devices, a stage on each whole island (the tick loop's mesh
+    would cut the larger in two): what crosses lies split on the sender's devices and
+    each receiving device takes its own rows, 8 on an A100 and 4 on a V100, or 2 each;
+    3 steps equal one-device `jit`. The tick loop refuses the plan, saying why."""
+    step, args = get(model, "tiny")
+    cluster = unequal_islands()
+    pipe, plan = _free_plan(step, args, cluster, shape, whole_islands=True)
+    sizes = [len(st["devices"]) for st in plan.stages]
+    assert sorted(set(sizes)) == [2, 4] and pipe.whole_islands
+    assert sizes == ([2, 4] if shape == "straight" else [sizes[0], sizes[1], sizes[0]])
+    par = hs.parallelize(step, cluster=cluster, plan=hs.Plan.from_json(plan.to_json()))
+    assert isinstance(par.lowered(*args), FreeRunning)
+    k = state_arity(step, args)
+    got = want = args
+    for _ in range(3):
+        want = jax.jit(step)(*want[:k], *args[k:])
+        got = par(*got[:k], *args[k:])
+        compare(hs.gather(got), want, rtol=2e-3)
+    with pytest.raises(ValueError, match="runs free only"):
+        P.as_plan(pipe, plan, plan, cluster, runtime="ticks")

@@ -67,13 +67,15 @@ class FreeRunning(StageWiring):
                                          if (s, ph) in dests} | ({(s, "F")} if ph == "B" else set()))
                         for s in range(self.S) for ph in "FB"}
         self.order = self._order(plan.pipeline["slots"])
-        sizes = {len(st["devices"]) for st in plan.stages}
-        rows = {r for st in plan.stages for r in st["rows"]}
-        if len(sizes) != 1 or len(rows) != 1:
+        if any(len(set(st["rows"])) > 1 for st in plan.stages):
             raise NotImplementedError(
-                f"a free-running pipeline whose stages hold unequal device counts or rows "
-                f"({[list(st['rows']) for st in plan.stages]}): a device's values cross to "
-                f"the device of the same place in the next stage")
+                f"a free-running pipeline whose stage holds uneven rows over its devices "
+                f"({[list(st['rows']) for st in plan.stages]}): each stage's program runs "
+                f"its devices at one shape")
+        # per (stage, phase): the values crossing into it from other stages
+        self.crossing_in = {(s, ph): sorted({x for dests in self.sends.values()
+                                             for x in dests.get((s, ph), ())})
+                            for s in range(self.S) for ph in "FB"}
         self._works = {key: self._work(*key) for key in self.sources}
         self._sums: dict = {}
         self._data_fns: dict = {}
@@ -111,29 +113,45 @@ class FreeRunning(StageWiring):
     # -- the programs ---------------------------------------------------------------------
     def _work(self, s, ph):
         """Stage s's phase `ph` of one microbatch, each device at its rows: (microbatch,
-        state, data, received, sums) -> (sums with its own added, what it keeps for its
-        backward, what it sends). What a device holds of a microbatch's values crosses
-        with a leading axis of the stage's devices (device k of one stage to device k of
-        the next), so any layout does; sums stay each device's own until the step's end."""
+        state, data, received, kept, sums) -> (sums with its own added, what it keeps for
+        its backward, what it sends). What crosses to another stage crosses as a global
+        value laid out on the sender's devices (`_crossing`), so a stage of other devices
+        reads its own rows of it; what a forward keeps for its backward, and the sums,
+        stay each device's own (a leading axis of the stage's devices)."""
         sums = self.sums_of(s, ph)
         keep = self.keeps[s] if ph == "F" else []
         sent = sorted({x for xs in self.sends.get((s, ph), {}).values() for x in xs})
         ops, rows = self.core[(s, ph)], self.rows[s][0]
+        partial = {t for t in self.crossing_in[(s, ph)] + sent
+                   if self.plan.tensor_layouts[t].kind == "P"}
 
-        def fn(m, state, data, received, acc):
-            known = {**state, **data, **{t: v[0] for t, v in received.items()}}
+        def fn(m, state, data, received, kept, acc):
+            first = jax.lax.axis_index(DATA) == 0  # a partial sum arrives whole on one device
+            arrived = {t: jnp.where(first, v, jnp.zeros_like(v)) if t in partial else v
+                       for t, v in received.items()}
+            known = {**state, **data, **arrived, **{t: v[0] for t, v in kept.items()}}
             env: dict = {}
             run = self._evaluator(s, rows, m, env, lambda x: known[x])
             for i in ops:
                 run(i)
             new = {t: acc[t] + env[t].astype(acc[t].dtype)[None] for t in sums}
             kept = {t: (env[t] if t in env else known[t])[None] for t in keep}
-            return new, kept, {t: env[t][None] for t in sent}
+            return new, kept, {t: jax.lax.psum(env[t], DATA) if t in partial else env[t]
+                               for t in sent}
 
         own, whole = PS(DATA), PS()
-        return self._program(s, fn, (whole, whole, whole, own, own), own, donate=(4,),
+        into = {t: self._crossing(t) for t in self.crossing_in[(s, ph)]}
+        return self._program(s, fn, (whole, whole, whole, into, own, own),
+                             (own, own, {t: self._crossing(t) for t in sent}), donate=(5,),
                              entry=lambda m, state, data, *_: [False] + [True] * (
                                  len(state) + len(data)))
+
+    def _crossing(self, t) -> PS:
+        """How value t lies on a stage's devices as it crosses: split on its batch
+        dimension over them where sharded (each device its own rows, so a stage of other
+        devices takes its rows from it), else whole (a partial sum summed first)."""
+        lay = self.plan.tensor_layouts[t]
+        return PS(*([None] * lay.dim), DATA) if lay.kind == "S" else PS()
 
     def _program(self, s, fn, in_specs, out_specs, donate=(), entry=None):
         """`fn` as one `jit(shard_map)` program on stage s's devices. Under a branch hook
@@ -273,7 +291,7 @@ class FreeRunning(StageWiring):
         are gathered first); the new state comes back on each leaf's stage."""
         prog, S = self.prog, self.S
         leaves = [plain(x) for x in self._inputs(leaves, plain)]
-        whole, own = self._whole, self._own
+        whole = self._whole
         state = [{} for _ in range(S)]  # per stage, the state leaves it reads, by id
         for p in range(self.nstate):
             for s in self._holders[p]:
@@ -290,16 +308,17 @@ class FreeRunning(StageWiring):
         kept: dict = {}
         for s, m, ph in self.order:
             received = inbox.pop((s, ph, m), {})
-            if ph == "B":
-                received.update(kept.pop((s, m)))
+            mine = kept.pop((s, m)) if ph == "B" else {}
             acc[s][ph], keep, sent = self._works[(s, ph)](np.int32(m), state[s], data[s],
-                                                          received, acc[s][ph], *self._extra(s))
+                                                          received, mine, acc[s][ph],
+                                                          *self._extra(s))
             if ph == "F":
                 kept[(s, m)] = keep
             for (b, phb), xs in self.sends.get((s, ph), {}).items():
                 box = inbox.setdefault((b, phb, m), {})
                 for x in xs:
-                    box[x] = jax.device_put(sent[x], own[b])
+                    box[x] = jax.device_put(sent[x], NamedSharding(self.meshes[b],
+                                                                   self._crossing(x)))
         # once per step: the sums, then the rounds
         avail = [{**state[s], **data[s]} for s in range(S)]
         for s in range(S):

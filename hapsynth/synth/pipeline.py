@@ -89,17 +89,23 @@ class Pipeline:
     delay: int = 0                   # ticks between making a message and sending it (`lockstep`)
     ops: tuple[int, ...] = ()        # per stage: the ops it runs per microbatch (0: idle)
     place: tuple[int, ...] = ()      # per stage: its group of devices where groups repeat
+    whole_islands: bool = False      # `order` indexes `stage_groups(cluster, True)`
 
 
 def islands_of(cluster: Cluster) -> list[tuple[int, ...]]:
     return [cluster.island_devices(k) for k in range(cluster.num_islands)]
 
 
-def stage_parts(cluster: Cluster) -> tuple[list[tuple[int, ...]], list[int]]:
+def stage_parts(cluster: Cluster, whole_islands: bool = False
+                ) -> tuple[list[tuple[int, ...]], list[int]]:
     """The device groups a stage may hold, and the island of each: every island cut in
     parts of as many devices as the smallest island divides them all into (the stages of
-    one program share a (stage, data) mesh, so they hold equal device counts)."""
+    one tick loop share a (stage, data) mesh, so they hold equal device counts); or
+    `whole_islands`, each island one group (the free runtime runs stages of unequal
+    device counts)."""
     islands = islands_of(cluster)
+    if whole_islands:
+        return list(islands), list(range(len(islands)))
     size = math.gcd(*[len(d) for d in islands])
     parts, of = [], []
     for k, devs in enumerate(islands):
@@ -109,11 +115,12 @@ def stage_parts(cluster: Cluster) -> tuple[list[tuple[int, ...]], list[int]]:
     return parts, of
 
 
-def stage_groups(cluster: Cluster) -> tuple[list[tuple[int, ...]], list[int]]:
+def stage_groups(cluster: Cluster, whole_islands: bool = False
+                 ) -> tuple[list[tuple[int, ...]], list[int]]:
     """`stage_parts`, then (with several islands) every device as one group, of island
     -1: one stage over the whole cluster, data parallel in microbatches (gradient
     accumulation across the islands, its sums all-reduced once a step)."""
-    parts, of = stage_parts(cluster)
+    parts, of = stage_parts(cluster, whole_islands)
     if cluster.num_islands > 1:
         return [*parts, tuple(d for p in parts for d in p)], [*of, -1]
     return parts, of
@@ -222,7 +229,7 @@ class _Costs:
 def plan_pipeline(graph: Graph, cluster: Cluster, regions: Regions, layouts, num_state_leaves: int,
                   kinds=SCHEDULES, keep: int = 6, by_links: bool = True,
                   free_running: bool = False, max_cuts: int = 256,
-                  whole: bool | str = True) -> Pipeline | None:
+                  whole: bool | str = True, whole_islands: bool = False) -> Pipeline | None:
     """The best pipeline found, or None when the cluster has one island. `whole`: one
     stage over every device (gradient accumulation across the islands) is a candidate
     too; "only": the best such (whatever `by_links`). `by_links=False` prices the most
@@ -230,18 +237,20 @@ def plan_pipeline(graph: Graph, cluster: Cluster, regions: Regions, layouts, num
     every stage running its next work as soon as it is ready and every transfer and
     parameter copy under later work, not in the lowering's ticks (for comparison: what
     the lock step costs; not a program the lowering makes). `max_cuts`: at most this many
-    cuts are priced beyond the shortlists, those whose bound could beat the best found."""
+    cuts are priced beyond the shortlists, those whose bound could beat the best found.
+    `whole_islands`: a stage per island, whatever their sizes (`stage_parts`; the free
+    runtime's)."""
     if cluster.num_islands < 2:
         return None
-    islands, island_of_part = stage_parts(cluster)
+    islands, island_of_part = stage_parts(cluster, whole_islands)
     S = len(islands)
-    costs = _Costs(graph, cluster, regions, stage_groups(cluster)[0], layouts)
+    costs = _Costs(graph, cluster, regions, stage_groups(cluster, whole_islands)[0], layouts)
     evaluator = _Evaluator(graph, cluster, regions, num_state_leaves, costs, layouts,
                            free_running)
     one_stage = _whole_stage(costs, S) if whole == "only" or whole and by_links else []
     points = regions.cut_points()
     if whole == "only" or len(points) < S - 1:
-        return _cheapest(evaluator, one_stage, kinds)
+        return _cheapest(evaluator, one_stage, kinds, whole_islands)
     micro_ops, sorted_ranks = costs.ranked
     prefix = [costs.running(k) for k in range(S)]
     # a bound on any step with given cuts: a stage's own work, the whole batch at once
@@ -310,12 +319,12 @@ def plan_pipeline(graph: Graph, cluster: Cluster, regions: Regions, layouts, num
         got.sort()                      # schedules they may still price best)
         again += got[:4] + listed[kind] + [x for x in got if (x[1], x[2]) in balanced][:4]
     cut = list(dict.fromkeys((o, c, m) for _, o, c, m in again))
-    return _cheapest(evaluator, cut + one_stage, kinds)
+    return _cheapest(evaluator, cut + one_stage, kinds, whole_islands)
 
 
 def plan_vshape(graph: Graph, cluster: Cluster, regions: Regions, layouts,
                 num_state_leaves: int, kinds=SCHEDULES, keep: int = 200, few: int = 4,
-                free_running: bool = False) -> Pipeline | None:
+                free_running: bool = False, whole_islands: bool = False) -> Pipeline | None:
     """A what-if, not yet lowered: the best V-shaped pipeline found, its first and last
     stages on one group of devices (`stage_parts`) and the middle stage on another, so
     that a model's two ends (a tied embedding's lookup and head) sit on one island and
@@ -326,11 +335,12 @@ def plan_vshape(graph: Graph, cluster: Cluster, regions: Regions, layouts,
     are priced under plain 1F1B, and under `kinds` the best dozen of all and the best
     `few` of each group pair and microbatch count (plain 1F1B's warm-up is fixed, so a
     pair whose stages need deeper warm-ups than it gives may rank low under it while
-    hetero-1F1B prices it best). None where no two islands exist."""
-    parts, island = stage_parts(cluster)
+    hetero-1F1B prices it best). None where no two islands exist. `whole_islands` as in
+    `plan_pipeline`."""
+    parts, island = stage_parts(cluster, whole_islands)
     if cluster.num_islands < 2:
         return None
-    costs = _Costs(graph, cluster, regions, stage_groups(cluster)[0], layouts)
+    costs = _Costs(graph, cluster, regions, stage_groups(cluster, whole_islands)[0], layouts)
     evaluator = _Evaluator(graph, cluster, regions, num_state_leaves, costs, layouts,
                            free_running)
     points = regions.cut_points()
@@ -358,7 +368,7 @@ def plan_vshape(graph: Graph, cluster: Cluster, regions: Regions, layouts,
             first += mine
             best += sorted(mine)[:few]
     picked = [x[1:] for x in sorted(first)[:12] + best]
-    return _cheapest(evaluator, list(dict.fromkeys(picked)), kinds)
+    return _cheapest(evaluator, list(dict.fromkeys(picked)), kinds, whole_islands)
 
 
 def _whole_stage(costs, S: int) -> list:
@@ -369,9 +379,9 @@ def _whole_stage(costs, S: int) -> list:
             if m > 1]
 
 
-def _cheapest(evaluator, candidates, kinds) -> Pipeline | None:
+def _cheapest(evaluator, candidates, kinds, whole_islands: bool = False) -> Pipeline | None:
     """The best of (order, cuts, microbatches) `candidates` under `kinds` (one that fits
-    first), with its step under every schedule."""
+    first), with its step under every schedule (`whole_islands`: what its groups are)."""
     best = None
     for order, cuts, M in candidates:
         for kind in kinds:
@@ -381,7 +391,7 @@ def _cheapest(evaluator, candidates, kinds) -> Pipeline | None:
     if best is None:
         return None
     by_kind = {k: evaluator.price(best.order, best.cuts, best.micros, k).step for k in SCHEDULES}
-    return Pipeline(**{**best.__dict__, "by_kind": by_kind})
+    return Pipeline(**{**best.__dict__, "by_kind": by_kind, "whole_islands": whole_islands})
 
 
 def _spans(ranks, combos) -> np.ndarray:
@@ -811,10 +821,10 @@ def late_ticks(sch: PipeSchedule) -> list[tuple[int, int, int, str]]:
 
 
 def runs_free(pipe: Pipeline) -> bool:
-    """Whether the free-running runtime runs `pipe`: every stage on as many devices, each
-    holding as many rows of a microbatch (a device's values cross to the device of the
-    same place in the next stage)."""
-    return len({len(r) for r in pipe.rows}) == 1 and len({x for r in pipe.rows for x in r}) == 1
+    """Whether the free-running runtime runs `pipe`: the devices of each stage hold as
+    many rows of a microbatch as each other (a stage's program runs them at one shape;
+    stages may differ in devices and rows)."""
+    return all(len(set(r)) == 1 for r in pipe.rows)
 
 
 def as_plan(pipe: Pipeline, dp: Plan, spmd: Plan, cluster: Cluster, runtime: str = "ticks") -> Plan:
@@ -834,7 +844,11 @@ def as_plan(pipe: Pipeline, dp: Plan, spmd: Plan, cluster: Cluster, runtime: str
                          f"({pipe.order}) runs free only (runtime='free'), not in ticks")
     M = pipe.micros
     names = [c.name for c in cluster.classes]
-    islands, of = stage_groups(cluster)
+    if pipe.whole_islands and runtime != "free" and len({len(d) for d in islands_of(cluster)}) > 1:
+        raise ValueError("a pipeline whose stages hold islands of unequal device counts "
+                         f"({[len(d) for d in islands_of(cluster)]}) runs free only "
+                         "(runtime='free'), not in ticks")
+    islands, of = stage_groups(cluster, pipe.whole_islands)
     busy_stage = [M * (f + b) + t for f, b, t in zip(pipe.forward, pipe.backward, pipe.tail)]
     # (a group of devices running several stages, a V's, is busy with all of them)
     busy_stage = [sum(x for k, x in zip(pipe.order, busy_stage) if k == pipe.order[s])

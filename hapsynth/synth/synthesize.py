@@ -273,14 +273,15 @@ def with_pipeline(graph: Graph, cluster: Cluster, spmd: Plan | None, *, num_stat
     stages are cut (the plan then runs that program: `pipeline["unrolled"]`). `runtime`:
     "ticks", pipelines run in one tick loop (`Pipelined`); "free", pipelines priced
     free-running, V shapes among them, are candidates too where `FreeRunning` runs them
-    (every stage on as many devices holding as many rows); "auto",
+    (each stage's devices holding as many rows; stages may hold whole islands of unequal
+    sizes); "auto",
     as "free" where this process drives every device or `jax.device_put` moves arrays
     between processes, else as "ticks". The plan's `pipeline["runtime"]` says which runs
     it (`synth.pipeline.RUNTIMES`)."""
     from dataclasses import replace
 
-    from hapsynth.synth.pipeline import (as_plan, plan_pipeline, plan_vshape, runs_free,
-                                         stage_groups)
+    from hapsynth.synth.pipeline import (as_plan, islands_of, plan_pipeline, plan_vshape,
+                                         runs_free, stage_groups)
     from hapsynth.synth.stages import NotPipelineable, analyse
 
     def keep(why: str) -> Plan:
@@ -318,10 +319,13 @@ def with_pipeline(graph: Graph, cluster: Cluster, spmd: Plan | None, *, num_stat
         from hapsynth._jax import moves_across_processes
         runtime = "free" if jax.process_count() == 1 or moves_across_processes() else "ticks"
     if runtime == "free":  # (one stage over every device is no pipeline to run free)
-        found = [plan_pipeline(graph, cluster, regions, dp.tensor_layouts, num_state_leaves,
-                               whole=False, free_running=True),
-                 plan_vshape(graph, cluster, regions, dp.tensor_layouts, num_state_leaves,
-                             free_running=True)]
+        # (stages on equal parts of the islands, and where islands differ in size, a
+        # stage per island)
+        found = [f(graph, cluster, regions, dp.tensor_layouts, num_state_leaves,
+                   free_running=True, whole_islands=w, **kw)
+                 for w in ((False, True) if len(set(map(len, islands_of(cluster)))) > 1
+                           else (False,))
+                 for f, kw in ((plan_pipeline, {"whole": False}), (plan_vshape, {}))]
         found = [p for p in found if p is not None and p.fits and runs_free(p)]
         free = min(found, key=lambda p: p.step, default=None)
         if free is not None and (pipe is None or not pipe.fits or free.step < pipe.step):
@@ -329,7 +333,7 @@ def with_pipeline(graph: Graph, cluster: Cluster, spmd: Plan | None, *, num_stat
     if pipe is None:
         return keep("no stage cut: too few parameters or microbatches for the islands")
     if not pipe.fits:
-        parts, _ = stage_groups(cluster)
+        parts, _ = stage_groups(cluster, pipe.whole_islands)
         small = cluster.classes[min({cluster.class_of(d) for k in pipe.order for d in parts[k]},
                                     key=lambda c: cluster.classes[c].memory)]
         why = (f"the best pipeline found does not fit memory ({pipe.step:.4g} s): every device "
