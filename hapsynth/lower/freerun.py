@@ -33,6 +33,7 @@ from hapsynth._jax import moves_across_processes
 from hapsynth.ir.signature import of_program
 from hapsynth.ir.trace import Const, Program
 from hapsynth.lower import cpu
+from hapsynth.lower.packing import pad_to, trim
 from hapsynth.lower.values import STAGE_DEVICES, Sharded, Staged, plain
 from hapsynth.lower.wiring import StageWiring
 from hapsynth.synth.plan import Plan
@@ -67,11 +68,10 @@ class FreeRunning(StageWiring):
                                          if (s, ph) in dests} | ({(s, "F")} if ph == "B" else set()))
                         for s in range(self.S) for ph in "FB"}
         self.order = self._order(plan.pipeline["slots"])
-        if any(len(set(st["rows"])) > 1 for st in plan.stages):
-            raise NotImplementedError(
-                f"a free-running pipeline whose stage holds uneven rows over its devices "
-                f"({[list(st['rows']) for st in plan.stages]}): each stage's program runs "
-                f"its devices at one shape")
+        # per stage: whether its devices hold as many rows each (else each runs its own
+        # rows in a `lax.switch` branch, what it keeps and sends padded to the most)
+        self.even = [len(set(r)) == 1 for r in self.rows]
+        self._rechunks: dict = {}
         # per (stage, phase): the values crossing into it from other stages
         self.crossing_in = {(s, ph): sorted({x for dests in self.sends.values()
                                              for x in dests.get((s, ph), ())})
@@ -108,50 +108,100 @@ class FreeRunning(StageWiring):
         return out
 
     def _row_start(self, s, micro):
-        return micro * self.mb + jax.lax.axis_index(DATA) * self.rows[s][0]
+        off = np.concatenate([[0], np.cumsum(self.rows[s])[:-1]]).astype(np.int32)
+        return micro * self.mb + jnp.asarray(off)[jax.lax.axis_index(DATA)]
 
     # -- the programs ---------------------------------------------------------------------
     def _work(self, s, ph):
         """Stage s's phase `ph` of one microbatch, each device at its rows: (microbatch,
         state, data, received, kept, sums) -> (sums with its own added, what it keeps for
         its backward, what it sends). What crosses to another stage crosses as a global
-        value laid out on the sender's devices (`_crossing`), so a stage of other devices
-        reads its own rows of it; what a forward keeps for its backward, and the sums,
-        stay each device's own (a leading axis of the stage's devices)."""
+        value on the sender's devices, the microbatch's rows in order (`_crossing`), so a
+        stage of other devices takes its own rows of it; what a forward keeps for its
+        backward, and the sums, stay each device's own (a leading axis of its devices)."""
         sums = self.sums_of(s, ph)
         keep = self.keeps[s] if ph == "F" else []
         sent = sorted({x for xs in self.sends.get((s, ph), {}).values() for x in xs})
-        ops, rows = self.core[(s, ph)], self.rows[s][0]
-        partial = {t for t in self.crossing_in[(s, ph)] + sent
-                   if self.plan.tensor_layouts[t].kind == "P"}
+        ops, lay = self.core[(s, ph)], self.plan.tensor_layouts
+        sizes = sorted(set(self.rows[s]))
+        group = np.array([sizes.index(r) for r in self.rows[s]], np.int32)
 
-        def fn(m, state, data, received, kept, acc):
-            first = jax.lax.axis_index(DATA) == 0  # a partial sum arrives whole on one device
-            arrived = {t: jnp.where(first, v, jnp.zeros_like(v)) if t in partial else v
-                       for t, v in received.items()}
-            known = {**state, **data, **arrived, **{t: v[0] for t, v in kept.items()}}
-            env: dict = {}
-            run = self._evaluator(s, rows, m, env, lambda x: known[x])
-            for i in ops:
-                run(i)
-            new = {t: acc[t] + env[t].astype(acc[t].dtype)[None] for t in sums}
-            kept = {t: (env[t] if t in env else known[t])[None] for t in keep}
-            return new, kept, {t: jax.lax.psum(env[t], DATA) if t in partial else env[t]
-                               for t in sent}
+        def at(rows):
+            """The work on a device holding `rows` rows; what it keeps and sends padded to
+            the stage's most rows."""
+            def branch(m, state, data, received, kept, acc):
+                first = jax.lax.axis_index(DATA) == 0  # a partial sum arrives on one device
+                arrived = {t: jnp.where(first, v, jnp.zeros_like(v)) if lay[t].kind == "P"
+                           else trim(v, lay[t], self._local(t, rows)) for t, v in received.items()}
+                known = {**state, **data, **arrived,
+                         **{t: trim(v[0], lay[t], self._local(t, rows)) for t, v in kept.items()}}
+                env: dict = {}
+                run = self._evaluator(s, rows, m, env, lambda x: known[x])
+                for i in ops:
+                    run(i)
+                new = {t: acc[t] + env[t].astype(acc[t].dtype)[None] for t in sums}
+                kept = {t: pad_to(env[t] if t in env else known[t], lay[t],
+                                  self._padded(t, s))[None] for t in keep}
+                return new, kept, {t: pad_to(env[t], lay[t], self._padded(t, s)) for t in sent}
+            return branch
+
+        def fn(*args):
+            if len(sizes) == 1:
+                new, kept, out = at(sizes[0])(*args)
+            else:
+                new, kept, out = jax.lax.switch(jnp.asarray(group)[jax.lax.axis_index(DATA)],
+                                                [at(r) for r in sizes], *args)
+            return new, kept, {t: self._leave(s, t, v) for t, v in out.items()}
 
         own, whole = PS(DATA), PS()
         into = {t: self._crossing(t) for t in self.crossing_in[(s, ph)]}
         return self._program(s, fn, (whole, whole, whole, into, own, own),
-                             (own, own, {t: self._crossing(t) for t in sent}), donate=(5,),
+                             (own, own, {t: self._crossing(t, s) for t in sent}), donate=(5,),
                              entry=lambda m, state, data, *_: [False] + [True] * (
                                  len(state) + len(data)))
 
-    def _crossing(self, t) -> PS:
-        """How value t lies on a stage's devices as it crosses: split on its batch
-        dimension over them where sharded (each device its own rows, so a stage of other
-        devices takes its rows from it), else whole (a partial sum summed first)."""
+    def _leave(self, s, t, v):
+        """Value t as stage s's devices hold it (padded to the most rows) as it leaves:
+        a partial sum summed; sharded over devices of uneven rows, gathered whole (the
+        devices' rows in order)."""
         lay = self.plan.tensor_layouts[t]
-        return PS(*([None] * lay.dim), DATA) if lay.kind == "S" else PS()
+        if lay.kind == "P":
+            return jax.lax.psum(v, DATA)
+        if lay.kind != "S" or self.even[s]:
+            return v
+        chunks = jax.lax.all_gather(v, DATA)
+        return jnp.concatenate([trim(chunks[j], lay, self._local(t, r))
+                                for j, r in enumerate(self.rows[s])], axis=lay.dim)
+
+    def _crossing(self, t, sender=None) -> PS:
+        """How value t lies as it crosses: split on its batch dimension over a stage's
+        devices where sharded (each device its own rows, so that a stage of other devices
+        takes its rows from it), else whole (a partial sum summed first). Leaving a
+        `sender` of uneven rows, sharded values are whole (`_leave`)."""
+        lay = self.plan.tensor_layouts[t]
+        if lay.kind == "S" and (sender is None or self.even[sender]):
+            return PS(*([None] * lay.dim), DATA)
+        return PS()
+
+    def _arriving(self, t, v, a, b):
+        """Value t, sent by stage a, laid out for stage b: sharded, its devices' rows
+        each padded to the most where they are uneven (each device trims its own)."""
+        lay = self.plan.tensor_layouts[t]
+        if lay.kind == "S" and not self.even[b]:
+            key = (t, a, b)
+            if key not in self._rechunks:
+                scale = self.prog.avals[t].shape[lay.dim] // self.r.batch
+                off = np.concatenate([[0], np.cumsum(self.rows[b])[:-1]])
+                most = max(self.rows[b]) * scale
+
+                def rechunk(x):
+                    return jnp.concatenate([pad_to(jax.lax.slice_in_dim(
+                        x, o * scale, (o + r) * scale, axis=lay.dim), lay, (
+                        *x.shape[:lay.dim], most, *x.shape[lay.dim + 1:]))
+                        for o, r in zip(off, self.rows[b])], axis=lay.dim)
+                self._rechunks[key] = jax.jit(rechunk, out_shardings=self._whole[a])
+            v = self._rechunks[key](v)
+        return jax.device_put(v, NamedSharding(self.meshes[b], self._crossing(t)))
 
     def _program(self, s, fn, in_specs, out_specs, donate=(), entry=None):
         """`fn` as one `jit(shard_map)` program on stage s's devices. Under a branch hook
@@ -317,8 +367,7 @@ class FreeRunning(StageWiring):
             for (b, phb), xs in self.sends.get((s, ph), {}).items():
                 box = inbox.setdefault((b, phb, m), {})
                 for x in xs:
-                    box[x] = jax.device_put(sent[x], NamedSharding(self.meshes[b],
-                                                                   self._crossing(x)))
+                    box[x] = self._arriving(x, sent[x], s, b)
         # once per step: the sums, then the rounds
         avail = [{**state[s], **data[s]} for s in range(S)]
         for s in range(S):

@@ -47,7 +47,7 @@ from hapsynth.synth.slots import (APART_BYTES, packed_bytes, sum_bytes, sum_dtyp
 from hapsynth.synth.stages import Regions, stage_of
 
 __all__ = ["Pipeline", "plan_pipeline", "plan_vshape", "rows_of", "islands_of", "stage_parts",
-           "stage_groups", "runs_free", "RUNTIMES"]
+           "stage_groups", "RUNTIMES"]
 
 SCHEDULES = ("gpipe", "1f1b", "hetero-1f1b")
 
@@ -818,13 +818,6 @@ def late_ticks(sch: PipeSchedule) -> list[tuple[int, int, int, str]]:
     stages on one group)."""
     return ticks(sch, {(ph, s): 1 for ph in "FB" for s in range(sch.stages - 1)
                        if sch.group(s) != sch.group(s + 1)})
-
-
-def runs_free(pipe: Pipeline) -> bool:
-    """Whether the free-running runtime runs `pipe`: the devices of each stage hold as
-    many rows of a microbatch as each other (a stage's program runs them at one shape;
-    stages may differ in devices and rows)."""
-    return all(len(set(r)) == 1 for r in pipe.rows)
 
 
 def as_plan(pipe: Pipeline, dp: Plan, spmd: Plan, cluster: Cluster, runtime: str = "ticks") -> Plan:

@@ -272,16 +272,15 @@ def with_pipeline(graph: Graph, cluster: Cluster, spmd: Plan | None, *, num_stat
     `straight`: (graph, state leaves) of the step with its loops written out, where
     stages are cut (the plan then runs that program: `pipeline["unrolled"]`). `runtime`:
     "ticks", pipelines run in one tick loop (`Pipelined`); "free", pipelines priced
-    free-running, V shapes among them, are candidates too where `FreeRunning` runs them
-    (each stage's devices holding as many rows; stages may hold whole islands of unequal
-    sizes); "auto",
+    free-running, V shapes and stages on whole islands of unequal sizes among them, are
+    candidates too (`FreeRunning`); "auto",
     as "free" where this process drives every device or `jax.device_put` moves arrays
     between processes, else as "ticks". The plan's `pipeline["runtime"]` says which runs
     it (`synth.pipeline.RUNTIMES`)."""
     from dataclasses import replace
 
     from hapsynth.synth.pipeline import (as_plan, islands_of, plan_pipeline, plan_vshape,
-                                         runs_free, stage_groups)
+                                         stage_groups)
     from hapsynth.synth.stages import NotPipelineable, analyse
 
     def keep(why: str) -> Plan:
@@ -326,7 +325,7 @@ def with_pipeline(graph: Graph, cluster: Cluster, spmd: Plan | None, *, num_stat
                  for w in ((False, True) if len(set(map(len, islands_of(cluster)))) > 1
                            else (False,))
                  for f, kw in ((plan_pipeline, {"whole": False}), (plan_vshape, {}))]
-        found = [p for p in found if p is not None and p.fits and runs_free(p)]
+        found = [p for p in found if p is not None and p.fits]
         free = min(found, key=lambda p: p.step, default=None)
         if free is not None and (pipe is None or not pipe.fits or free.step < pipe.step):
             pipe = free
