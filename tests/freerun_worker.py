@@ -2,7 +2,8 @@
 devices each, a pipeline between them run free (`pipeline_runtime="free"`), values moved
 between the processes by `jax.device_put` (cross-host transfers through sockets).
 
-    python freerun_worker.py PROCESS_ID PORT TRANSFER_PORT MODEL   (TRANSFER_PORT: its own)
+    python freerun_worker.py PROCESS_ID PORT TRANSFER_PORT MODEL [DEVICES]
+    (TRANSFER_PORT: its own; DEVICES per process, 2 unless given)
 
 Three chained steps; prints MAXERR against single-device jax.jit (the state gathered on
 every process) and the stages' islands.
@@ -11,8 +12,9 @@ import os
 import sys
 
 pid, port, transfer, model = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+n = int(sys.argv[5]) if len(sys.argv) > 5 else 2
 os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["JAX_NUM_CPU_DEVICES"] = "2"
+os.environ["JAX_NUM_CPU_DEVICES"] = str(n)
 import jax  # noqa: E402
 
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -25,7 +27,7 @@ import numpy as np  # noqa: E402
 import hapsynth as hs  # noqa: E402
 from hapsynth.models import get  # noqa: E402
 
-cluster = hs.Cluster.simulated([("A100", 2), ("V100", 2)], devices_per_host=2,
+cluster = hs.Cluster.simulated([("A100", n), ("V100", n)], devices_per_host=n,
                                islands={"a": ["A100"], "b": ["V100"]},
                                links={"inter_island": {"bandwidth": "10Gbps", "latency": "50us"}})
 step, args = get(model, "tiny")
@@ -33,7 +35,8 @@ k = 2
 par = hs.parallelize(step, cluster=cluster, pipeline=True, pipeline_runtime="free", time_limit=1)
 plan = par.plan(*args)
 print(f"PLAN {plan.pipeline['runtime']} {[st['island'] for st in plan.stages]} "
-      f"{plan.pipeline['cuts']} {plan.pipeline['micros']}", flush=True)
+      f"{plan.pipeline['cuts']} {plan.pipeline['micros']} ROWS "
+      f"{[st['rows'] for st in plan.stages]}", flush=True)
 ref = jax.jit(step)
 got = want = args
 for i in range(3):

@@ -184,15 +184,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow  # two processes (~20 s)
-def test_two_processes_run_a_pipeline_free():
+@pytest.mark.slow  # two processes (~20 s each)
+@pytest.mark.parametrize("devices", [2, 3])
+def test_two_processes_run_a_pipeline_free(devices):
     """An island per `jax.distributed` process: every process dispatches every work, each
     runs on its own devices, and values cross between the processes by `jax.device_put`;
-    3 steps of GPT (its tied embedding copied across) equal one-device `jit` on both."""
+    3 steps of GPT (its tied embedding copied across) equal one-device `jit` on both.
+    With 3 devices a process, a microbatch's 8 rows are uneven (3, 3, 2): what crosses is
+    re-laid on the sender's devices as the receiver's take it, and crosses as it lies."""
     ports = [_free_port() for _ in range(3)]
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), str(ports[0]),
-                               str(ports[1 + i]), "gpt"],
+                               str(ports[1 + i]), "gpt", str(devices)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
              for i in range(2)]
     try:
@@ -205,6 +208,8 @@ def test_two_processes_run_a_pipeline_free():
         line = [ln for ln in out.splitlines() if ln.startswith("MAXERR")][-1]
         assert float(line.split()[1]) < 2e-3, line
         assert "RUNTIME free" in line and "LOWERED FreeRunning" in line, line
+        rows = [ln for ln in out.splitlines() if ln.startswith("PLAN")][-1]
+        assert ("[3, 3, 2]" in rows) == (devices == 3), rows
 
 
 @pytest.mark.slow  # the harness's knob (~15 s): `hapsynth bench pipeline` measures with it

@@ -7,11 +7,14 @@ stages by `jax.device_put`, and every program is dispatched in the schedule's or
 without waiting: the runtime starts each as soon as its inputs are there, so an island
 runs its next work while the last one's values cross, as the free-running price assumes
 (`synth.pipeline`, `free_running=True`). One group of devices may run several stages (a
-V shape: both ends on one island, nothing of them crossing). A stage's program runs at
-the whole microbatch, its rows split evenly over the stage's devices where they divide
-(XLA partitions the rest); its partial sums (gradients, the loss) add up over the
-microbatches, in float32 where narrower; then the once-per-step ops run per stage in
-rounds, a value made on one stage crossing to the next round of another.
+V shape: both ends on one island, nothing of them crossing). Stages may differ in device
+counts, and a stage's devices may hold uneven rows of a microbatch (each then runs its
+own in a `lax.switch` branch): a sharded value crosses as the microbatch's rows in
+order and each receiving device takes its own. A stage's partial sums (gradients, the
+loss) add up over the microbatches, in float32 where narrower; then the once-per-step
+ops run per stage in rounds, a value made on one stage crossing to the next round of
+another. A step written out of a scan over layers (`Program.split`) runs too, its
+stacked leaves as `hs.StagedRows` whose rows stay on their stages.
 
 Across processes (islands on other hosts; `jax.distributed`) every process runs this
 same dispatch: each program runs on the devices a process has of it and nothing
@@ -54,6 +57,11 @@ class FreeRunning(StageWiring):
         super().__init__(prog, plan)
         self.hook = branch_hook
         owners = [{devices[d].process_index for d in st["devices"]} for st in plan.stages]
+        if len(set().union(*owners)) > 1 and len({len(st["devices"]) for st in plan.stages}) > 1:
+            raise NotImplementedError(
+                f"a free-running pipeline over several processes whose stages hold unequal "
+                f"device counts ({[len(st['devices']) for st in plan.stages]}): a transfer "
+                f"between processes keeps its layout, so both ends need as many devices")
         if len(set().union(*owners)) > 1 and not moves_across_processes():
             raise RuntimeError(
                 "a free-running pipeline over several processes moves values between them "
@@ -184,10 +192,14 @@ class FreeRunning(StageWiring):
         return PS()
 
     def _arriving(self, t, v, a, b):
-        """Value t, sent by stage a, laid out for stage b: sharded, its devices' rows
-        each padded to the most where they are uneven (each device trims its own)."""
+        """Value t, sent by stage a, laid out for stage b. A sharded value whose layouts
+        differ (uneven rows on either side, or unequal device counts) is first re-laid
+        on a's devices as b's devices take it, their rows each padded to the most (each
+        trims its own): split over a's devices where the counts match, so that it
+        crosses as it lies (what a transfer across processes needs), else whole."""
         lay = self.plan.tensor_layouts[t]
-        if lay.kind == "S" and not self.even[b]:
+        na, nb = self.meshes[a].devices.size, self.meshes[b].devices.size
+        if lay.kind == "S" and not (self.even[a] and self.even[b] and na == nb):
             key = (t, a, b)
             if key not in self._rechunks:
                 scale = self.prog.avals[t].shape[lay.dim] // self.r.batch
@@ -199,7 +211,9 @@ class FreeRunning(StageWiring):
                         x, o * scale, (o + r) * scale, axis=lay.dim), lay, (
                         *x.shape[:lay.dim], most, *x.shape[lay.dim + 1:]))
                         for o, r in zip(off, self.rows[b])], axis=lay.dim)
-                self._rechunks[key] = jax.jit(rechunk, out_shardings=self._whole[a])
+                where = NamedSharding(self.meshes[a], self._crossing(t)) if na == nb \
+                    else self._whole[a]
+                self._rechunks[key] = jax.jit(rechunk, out_shardings=where)
             v = self._rechunks[key](v)
         return jax.device_put(v, NamedSharding(self.meshes[b], self._crossing(t)))
 

@@ -312,18 +312,19 @@ def with_pipeline(graph: Graph, cluster: Cluster, spmd: Plan | None, *, num_stat
     pipe = plan_pipeline(graph, cluster, regions, dp.tensor_layouts, num_state_leaves,
                          whole=pipeline is not True)
     free = None
-    if runtime == "auto":
-        import jax
+    import jax
 
-        from hapsynth._jax import moves_across_processes
+    from hapsynth._jax import moves_across_processes
+    if runtime == "auto":
         runtime = "free" if jax.process_count() == 1 or moves_across_processes() else "ticks"
     if runtime == "free":  # (one stage over every device is no pipeline to run free)
         # (stages on equal parts of the islands, and where islands differ in size, a
-        # stage per island)
+        # stage per island: in one process, as a transfer between processes keeps its
+        # layout, so both ends need as many devices)
+        unequal = len(set(map(len, islands_of(cluster)))) > 1 and jax.process_count() == 1
         found = [f(graph, cluster, regions, dp.tensor_layouts, num_state_leaves,
                    free_running=True, whole_islands=w, **kw)
-                 for w in ((False, True) if len(set(map(len, islands_of(cluster)))) > 1
-                           else (False,))
+                 for w in ((False, True) if unequal else (False,))
                  for f, kw in ((plan_pipeline, {"whole": False}), (plan_vshape, {}))]
         found = [p for p in found if p is not None and p.fits]
         free = min(found, key=lambda p: p.step, default=None)
