@@ -430,7 +430,8 @@ class Parallelized:
             plan = self.plan(*args)
             if plan.stages and plan.pipeline.get("runtime") == "free":
                 self._lowered[key] = FreeRunning(self._programs[key], plan,
-                                                 local_devices(self.cluster))
+                                                 local_devices(self.cluster),
+                                                 donate=donated_leaves(args, self.donate_argnums))
                 return self._lowered[key]
             if plan.stages:
                 self._lowered[key] = Pipelined(self._programs[key], plan,

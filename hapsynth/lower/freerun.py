@@ -50,11 +50,15 @@ DATA = "data"
 class FreeRunning(StageWiring):
     """A pipeline plan bound to a traced program and the devices of one process."""
 
-    def __init__(self, prog: Program, plan: Plan, devices, *, branch_hook=None):
-        """`branch_hook`: measurement harnesses only (`hook.py`): every stage's work and
-        round of once-per-step ops runs `hook.wrap`ped on each of its devices."""
+    def __init__(self, prog: Program, plan: Plan, devices, *, donate=(), branch_hook=None):
+        """`donate`: flat indices of the step's argument leaves whose buffers the step may
+        reuse (as `jax.jit`'s `donate_argnums`): a state leaf's is given up to the round
+        of once-per-step ops reading it last. `branch_hook`: measurement harnesses only
+        (`hook.py`): every stage's work and round of once-per-step ops runs
+        `hook.wrap`ped on each of its devices."""
         plan.check(of_program(prog))
         super().__init__(prog, plan)
+        self.donate = self._program_inputs(donate)
         self.hook = branch_hook
         owners = [{devices[d].process_index for d in st["devices"]} for st in plan.stages]
         if len(set().union(*owners)) > 1 and len({len(st["devices"]) for st in plan.stages}) > 1:
@@ -270,15 +274,13 @@ class FreeRunning(StageWiring):
                     if isinstance(x, int):
                         readers.setdefault(x, set()).add((level[i], self.stage[i]))
         outputs = {o for o in prog.outputs if isinstance(o, int)}
-        self._post = {}
+        rounds = {}
         for k in sorted(set(level.values())):
             for s in range(self.S):
                 ops = [i for i in self.post[s] if level[i] == k]
                 if ops:
-                    made = [t for i in ops for t in prog.eqns[i].outputs
-                            if t in outputs or readers.get(t, set()) - {(k, s)}]
-                    self._post[(k, s)] = self._program(s, self._evaluate(s, ops, made),
-                                                       (PS(),), PS())
+                    rounds[(k, s)] = (ops, [t for i in ops for t in prog.eqns[i].outputs
+                                            if t in outputs or readers.get(t, set()) - {(k, s)}])
         # per stage, the state leaves it stores and the outputs it makes (once the rounds ran)
         outs = prog.outputs
         self.stores = {s: [p for p in range(self.nstate) if self.owner[p] == s]
@@ -289,7 +291,7 @@ class FreeRunning(StageWiring):
         # per round and stage, the values it reads that another stage made: (value, maker)
         self._wants = {(k, s): list(dict.fromkeys(
             (x, where[x][0]) for i in self.post[s] if level[i] == k for x in prog.eqns[i].inputs
-            if isinstance(x, int) and x in where and where[x][0] != s)) for k, s in self._post}
+            if isinstance(x, int) and x in where and where[x][0] != s)) for k, s in rounds}
         # per stage, what its state leaves and outputs read from elsewhere once the rounds
         # ran: (value, the stage making it, or None for a state leaf passed through)
         self._fetch = {s: [(o, where[o][0] if o in where else None) for o in dict.fromkeys(
@@ -300,6 +302,44 @@ class FreeRunning(StageWiring):
             *[outs[p] for p in self.stores[s] if isinstance(outs[p], int)],
             *[o for o in self.results if self.made_on[o] == s]])) for s in range(self.S)}
         self._made_last: dict = {}  # (stage, values no round made) -> a program making them
+        self._gone = self._donated(rounds)
+        self._post = {key: self._program(key[1], self._evaluate(key[1], ops, made, self._gone[key]),
+                                         (PS(), PS()), PS(), donate=(0,))
+                      for key, (ops, made) in rounds.items()}
+
+    def _donated(self, rounds) -> dict:
+        """Per round, the donated state leaves it gives up (`donate`): those its stage
+        alone holds, read last by that round (through the state-only ops it runs), and
+        neither stored nor output as they are."""
+        prog, r = self.prog, self.r
+
+        def leaves_read(i, seen):
+            out = set()
+            for x in prog.eqns[i].inputs:
+                if not isinstance(x, int):
+                    continue
+                if x in self.leaf:
+                    out.add(x)
+                j = self.producer.get(x)
+                if j is not None and j not in seen and (
+                        r.region[j] == "pre" or r.rank[j] < 0 and r.region[j] == "micro"):
+                    seen.add(j)
+                    out |= leaves_read(j, seen)
+            return out
+        kept = {t for fin in self._final.values() for o in fin
+                for t in ({o} if o in self.leaf else leaves_read(self.producer[o], set())
+                          if o not in self.where and o in self.producer else set())}
+        last: dict = {}
+        for (k, s), (ops, _) in sorted(rounds.items()):
+            for t in set().union(*[leaves_read(i, set()) for i in ops]):
+                last[t] = (k, s)
+        gone = {key: [] for key in rounds}
+        for t, (k, s) in last.items():
+            p = self.leaf[t]
+            if p in self.donate and self.owner[p] == s and self._holders[p] == [s] \
+                    and t not in kept:
+                gone[(k, s)].append(t)
+        return gone
 
     def _last(self, s, avail: dict) -> dict:
         """What stage s stores and outputs: those made already as they are (no copies),
@@ -311,9 +351,14 @@ class FreeRunning(StageWiring):
             avail = {**avail, **self._made_last[(s, missing)](avail)}
         return {t: avail[t] for t in self._final[s]}
 
-    def _evaluate(self, s, ops, wanted):
+    def _evaluate(self, s, ops, wanted, given=None):
         """Ops once per step, whole, on stage s: (its values by id) -> `wanted` by id
-        (made by `ops`, or by ops of no stage from what it holds)."""
+        (made by `ops`, or by ops of no stage from what it holds). `given`: the values
+        it takes apart first, (those, the rest) -> `wanted` (to donate those)."""
+        if given is not None:
+            inner = self._evaluate(s, ops, wanted)
+            return lambda gone, known: inner({**known, **gone})
+
         def fn(known):
             env: dict = {}
             run = self._evaluator(s, None, None, env, lambda x: known[x])
@@ -391,7 +436,8 @@ class FreeRunning(StageWiring):
             for x, src in self._wants[(k, s)]:
                 if x not in avail[s]:
                     avail[s][x] = self._put(avail[src][x], s)
-            avail[s].update(fn(avail[s], *self._extra(s)))
+            gone = {t: avail[s].pop(t) for t in self._gone[(k, s)]}
+            avail[s].update(fn(gone, avail[s], *self._extra(s)))
         outs = prog.outputs
         for s in range(S):  # what the last round made elsewhere, for a state leaf or output
             for o, src in self._fetch[s]:
@@ -428,10 +474,11 @@ class FreeRunning(StageWiring):
 
     def shard(self, *args):
         """The arguments as this program reads them: each state leaf whole on its stage's
-        devices (the data goes to every stage's devices at each step)."""
+        devices, a copy of its own (a step donating it leaves `args` alone); the data
+        goes to every stage's devices at each step."""
         leaves, tree = jax.tree.flatten(args, is_leaf=lambda v: isinstance(v, (Sharded, Staged)))
         leaves = [plain(x) for x in self._inputs(leaves, plain)]
-        state = [jax.device_put(x, self._whole[self.owner[p]])
+        state = [jax.device_put(jnp.array(x, copy=True), self._whole[self.owner[p]])
                  for p, x in enumerate(leaves[:self.nstate])]
         return jax.tree.unflatten(tree, self._state(state, self.owner)
                                   + [jnp.asarray(x) for x in leaves[self.nstate:]])

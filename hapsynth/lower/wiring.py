@@ -225,6 +225,17 @@ class StageWiring:
                 out += [x[i] for i in range(n)]
         return out
 
+    def _program_inputs(self, leaves) -> set[int]:
+        """The program's state inputs that flat step leaves `leaves` are fed as (a leaf
+        read as rows, `Program.split`, is several)."""
+        split, out, at = self.prog.split, set(), 0
+        for k in range(self.leaves):
+            n = max(split[k] if k < len(split) else 0, 1)
+            if k in set(leaves):
+                out |= set(range(at, at + n))
+            at += n
+        return out
+
     def _state(self, rows, stages=None) -> list:
         """The program's state leaves back as the step's: the rows of a stacked leaf
         regrouped as `StagedRows` (`stages`: each row's stage, where rows are arrays)."""
