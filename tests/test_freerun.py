@@ -38,6 +38,17 @@ def _free_plan(step, args, cluster, shape: str, whole_islands: bool = False):
     return pipe, P.as_plan(pipe, dp, dp, cluster, runtime="free")
 
 
+def _equals_jit(par, step, args, steps: int = 3):
+    """`steps` chained steps of `par` equal one-device `jax.jit(step)`; the last result."""
+    k = state_arity(step, args)
+    got = want = args
+    for _ in range(steps):
+        want = jax.jit(step)(*want[:k], *args[k:])
+        got = par(*got[:k], *args[k:])
+        compare(hs.gather(got), want, rtol=2e-3)
+    return got
+
+
 def unequal_islands(a: int = 2, b: int = 4) -> hs.Cluster:
     """An island of `a` A100s and one of `b` V100s, joined by 10 Gbps."""
     return hs.Cluster.simulated([("A100", a), ("V100", b)], devices_per_host=2,
@@ -93,12 +104,7 @@ def test_free_running_pipelines_equal_one_device(model, shape):
     # stored as the program reads them, the arguments come back exactly
     for a, b in zip(jax.tree.leaves(hs.gather(par.shard(*args))), jax.tree.leaves(args)):
         assert np.array_equal(np.asarray(a), np.asarray(b))
-    ref = jax.jit(step)
-    got = want = args
-    for _ in range(3):
-        want = ref(*want[:k], *args[k:])
-        got = par(*got[:k], *args[k:])
-        compare(hs.gather(got), want, rtol=2e-3)
+    got = _equals_jit(par, step, args)
     # each state leaf comes back whole on the devices of the stage storing it
     devices = local_devices(cluster)
     for p, leaf in enumerate(jax.tree.leaves(got[:k])):
@@ -164,12 +170,7 @@ def test_stages_holding_uneven_rows_run_free():
     assert [len(set(st["rows"])) for st in plan.stages] == [2, 1, 1, 1]
     par = hs.parallelize(step, cluster=cluster, plan=plan)
     assert isinstance(par.lowered(*args), FreeRunning)
-    k = state_arity(step, args)
-    got = want = args
-    for _ in range(3):
-        want = jax.jit(step)(*want[:k], *args[k:])
-        got = par(*got[:k], *args[k:])
-        compare(hs.gather(got), want, rtol=2e-3)
+    _equals_jit(par, step, args)
 
 
 def _program(step, args, cluster, plan):
@@ -256,12 +257,7 @@ def test_outside_models_run_free_equal_one_device(name):
     pipe, plan = _free_plan(step, args, cluster, "V")
     par = hs.parallelize(step, cluster=cluster, plan=plan)
     assert isinstance(par.lowered(*args), FreeRunning)
-    k = state_arity(step, args)
-    got = want = args
-    for _ in range(3):
-        want = jax.jit(step)(*want[:k], *args[k:])
-        got = par(*got[:k], *args[k:])
-        compare(hs.gather(got), want, rtol=2e-3)
+    _equals_jit(par, step, args)
 
 
 def test_scan_over_layers_runs_free_equal_one_device():
@@ -281,12 +277,8 @@ def test_scan_over_layers_runs_free_equal_one_device():
     assert plan.pipeline["unrolled"] == len(jax.tree.leaves(args[:2]))
     low = par.lowered(*args)
     assert isinstance(low, FreeRunning)
+    got = _equals_jit(par, step, args)
     k = state_arity(step, args)
-    got = want = args
-    for _ in range(3):
-        want = jax.jit(step)(*want[:k], *args[k:])
-        got = par(*got[:k], *args[k:])
-        compare(hs.gather(got), want, rtol=2e-3)
     rows = [x for x in jax.tree.leaves(got[:k], is_leaf=lambda v: isinstance(v, hs.Staged))
             if isinstance(x, hs.StagedRows)]
     assert len(rows) == 3 * 12  # 12 layer-stacked parameters, each with two Adam moments
@@ -323,12 +315,7 @@ def test_stages_of_unequal_device_counts_run_free(model, shape, v100s):
     assert sizes == ([2, v100s] if shape == "straight" else [sizes[0], sizes[1], sizes[0]])
     par = hs.parallelize(step, cluster=cluster, plan=hs.Plan.from_json(plan.to_json()))
     assert isinstance(par.lowered(*args), FreeRunning)
-    k = state_arity(step, args)
-    got = want = args
-    for _ in range(3):
-        want = jax.jit(step)(*want[:k], *args[k:])
-        got = par(*got[:k], *args[k:])
-        compare(hs.gather(got), want, rtol=2e-3)
+    _equals_jit(par, step, args)
     with pytest.raises(ValueError, match="runs free only"):
         P.as_plan(pipe, plan, plan, cluster, runtime="ticks")
 
