@@ -303,7 +303,7 @@ class FreeRunning(StageWiring):
             *[o for o in self.results if self.made_on[o] == s]])) for s in range(self.S)}
         self._made_last: dict = {}  # (stage, values no round made) -> a program making them
         self._gone = self._donated(rounds)
-        self._post = {key: self._program(key[1], self._evaluate(key[1], ops, made, self._gone[key]),
+        self._post = {key: self._program(key[1], self._evaluate(key[1], ops, made, apart=True),
                                          (PS(), PS()), PS(), donate=(0,))
                       for key, (ops, made) in rounds.items()}
 
@@ -351,11 +351,11 @@ class FreeRunning(StageWiring):
             avail = {**avail, **self._made_last[(s, missing)](avail)}
         return {t: avail[t] for t in self._final[s]}
 
-    def _evaluate(self, s, ops, wanted, given=None):
+    def _evaluate(self, s, ops, wanted, apart: bool = False):
         """Ops once per step, whole, on stage s: (its values by id) -> `wanted` by id
-        (made by `ops`, or by ops of no stage from what it holds). `given`: the values
-        it takes apart first, (those, the rest) -> `wanted` (to donate those)."""
-        if given is not None:
+        (made by `ops`, or by ops of no stage from what it holds). `apart`: (the values
+        it may reuse the buffers of, the rest) -> `wanted`, to donate the first."""
+        if apart:
             inner = self._evaluate(s, ops, wanted)
             return lambda gone, known: inner({**known, **gone})
 
