@@ -50,7 +50,7 @@ from hapsynth.api import state_arity  # noqa: E402
 from hapsynth.ir import lift_program, trace  # noqa: E402
 from hapsynth.ir.unroll import written_out  # noqa: E402
 from hapsynth.models import ZOO, get  # noqa: E402
-from hapsynth.synth.pipeline import SCHEDULES, islands_of, plan_pipeline, plan_vshape  # noqa: E402
+from hapsynth.synth.pipeline import SCHEDULES, islands_differ, plan_pipeline, plan_vshape  # noqa: E402
 from hapsynth.synth.stages import NotPipelineable, analyse  # noqa: E402
 from hapsynth.synth.synthesize import data_parallel_plan  # noqa: E402
 
@@ -126,7 +126,7 @@ def row(name: str, config: str, where, time_limit: float) -> dict:
                                        kinds=("1f1b",), whole="only"))
     out["free"] = found(plan_pipeline(graph, cluster, regions, dp.tensor_layouts, n,
                                       kinds=("hetero-1f1b",), free_running=True, whole=False))
-    if len({len(d) for d in islands_of(cluster)}) > 1:  # a stage per island, run free
+    if islands_differ(cluster):  # a stage per island, run free
         out["islands free"] = found(min(
             [p for p in (f(graph, cluster, regions, dp.tensor_layouts, n, kinds=("hetero-1f1b",),
                            free_running=True, whole_islands=True, **kw)

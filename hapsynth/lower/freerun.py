@@ -120,8 +120,7 @@ class FreeRunning(StageWiring):
         return out
 
     def _row_start(self, s, micro):
-        off = np.concatenate([[0], np.cumsum(self.rows[s])[:-1]]).astype(np.int32)
-        return micro * self.mb + jnp.asarray(off)[jax.lax.axis_index(DATA)]
+        return micro * self.mb + jnp.asarray(self._offsets(s))[jax.lax.axis_index(DATA)]
 
     # -- the programs ---------------------------------------------------------------------
     def _work(self, s, ph):
@@ -196,30 +195,34 @@ class FreeRunning(StageWiring):
         return PS()
 
     def _arriving(self, t, v, a, b):
-        """Value t, sent by stage a, laid out for stage b. A sharded value whose layouts
-        differ (uneven rows on either side, or unequal device counts) is first re-laid
-        on a's devices as b's devices take it, their rows each padded to the most (each
-        trims its own): split over a's devices where the counts match, so that it
-        crosses as it lies (what a transfer across processes needs), else whole."""
-        lay = self.plan.tensor_layouts[t]
-        na, nb = self.meshes[a].devices.size, self.meshes[b].devices.size
-        if lay.kind == "S" and not (self.even[a] and self.even[b] and na == nb):
-            key = (t, a, b)
-            if key not in self._rechunks:
-                scale = self.prog.avals[t].shape[lay.dim] // self.r.batch
-                off = np.concatenate([[0], np.cumsum(self.rows[b])[:-1]])
-                most = max(self.rows[b]) * scale
+        """Value t, sent by stage a, on stage b's devices as its programs read it."""
+        if (t, a, b) not in self._rechunks:
+            self._rechunks[(t, a, b)] = self._relayout(t, a, b)
+        fn, where = self._rechunks[(t, a, b)]
+        return jax.device_put(v if fn is None else fn(v), where)
 
-                def rechunk(x):
-                    return jnp.concatenate([pad_to(jax.lax.slice_in_dim(
-                        x, o * scale, (o + r) * scale, axis=lay.dim), lay, (
-                        *x.shape[:lay.dim], most, *x.shape[lay.dim + 1:]))
-                        for o, r in zip(off, self.rows[b])], axis=lay.dim)
-                where = NamedSharding(self.meshes[a], self._crossing(t)) if na == nb \
-                    else self._whole[a]
-                self._rechunks[key] = jax.jit(rechunk, out_shardings=where)
-            v = self._rechunks[key](v)
-        return jax.device_put(v, NamedSharding(self.meshes[b], self._crossing(t)))
+    def _relayout(self, t, a, b):
+        """(a program on a's devices or None, b's sharding) for value t from stage a to b.
+        A sharded value whose layouts differ (uneven rows on either side, or unequal
+        device counts) is first re-laid on a's devices as b's devices take it, their rows
+        each padded to the most (each trims its own): split over a's devices where the
+        counts match, so that it crosses as it lies (what a transfer across processes
+        needs), else whole."""
+        lay = self.plan.tensor_layouts[t]
+        where = NamedSharding(self.meshes[b], self._crossing(t))
+        na, nb = self.meshes[a].devices.size, self.meshes[b].devices.size
+        if lay.kind != "S" or self.even[a] and self.even[b] and na == nb:
+            return None, where
+        scale = self.prog.avals[t].shape[lay.dim] // self.r.batch
+        most = max(self.rows[b]) * scale
+
+        def rechunk(x):
+            return jnp.concatenate([pad_to(jax.lax.slice_in_dim(
+                x, o * scale, (o + r) * scale, axis=lay.dim), lay, (
+                *x.shape[:lay.dim], most, *x.shape[lay.dim + 1:]))
+                for o, r in zip(self._offsets(b), self.rows[b])], axis=lay.dim)
+        on_a = NamedSharding(self.meshes[a], self._crossing(t)) if na == nb else self._whole[a]
+        return jax.jit(rechunk, out_shardings=on_a), where
 
     def _program(self, s, fn, in_specs, out_specs, donate=(), entry=None):
         """`fn` as one `jit(shard_map)` program on stage s's devices. Under a branch hook
@@ -326,9 +329,12 @@ class FreeRunning(StageWiring):
                     seen.add(j)
                     out |= leaves_read(j, seen)
             return out
-        kept = {t for fin in self._final.values() for o in fin
-                for t in ({o} if o in self.leaf else leaves_read(self.producer[o], set())
-                          if o not in self.where and o in self.producer else set())}
+        kept = set()  # stored or output as they are, or read by what no round makes
+        for o in (o for fin in self._final.values() for o in fin):
+            if o in self.leaf:
+                kept.add(o)
+            elif o not in self.where and o in self.producer:
+                kept |= leaves_read(self.producer[o], set())
         last: dict = {}
         for (k, s), (ops, _) in sorted(rounds.items()):
             for t in set().union(*[leaves_read(i, set()) for i in ops]):

@@ -176,8 +176,7 @@ class Pipelined(StageWiring):
         self.acc_sizes = {ph: bundle(ps) for ph, ps in self.acc_packing.items()}
 
     def _row_start(self, s, micro):
-        off = jnp.asarray(np.concatenate([[0], np.cumsum(self.rows[s])[:-1]]), jnp.int32)
-        return micro * self.mb + off[lax.axis_index(DATA)]
+        return micro * self.mb + jnp.asarray(self._offsets(s))[lax.axis_index(DATA)]
 
     # -- the shard_map body ------------------------------------------------------------------
     def _body(self, *flat):
@@ -471,7 +470,7 @@ class Pipelined(StageWiring):
         didx = lax.axis_index(DATA)
         chunks = [ref.packing.unpack(tuple(b[j] for b in bufs), ref.order) for j in range(self.D)]
         a = ref.sender
-        off = jnp.asarray(np.concatenate([[0], np.cumsum(self.rows[s])[:-1]]), jnp.int32)[didx]
+        off = jnp.asarray(self._offsets(s))[didx]
         for key in ref.packing.slots:
             t = key[2]
             lay = plan.tensor_layouts[t]

@@ -204,18 +204,25 @@ class StageWiring:
             out.append(at)
         return out
 
+    def _offsets(self, s) -> np.ndarray:
+        """Per device of stage s, the first of its rows in a microbatch."""
+        return np.concatenate([[0], np.cumsum(self.rows[s])[:-1]]).astype(np.int32)
+
     # -- arguments -------------------------------------------------------------------------
+    def _rows_in(self, k) -> int:
+        """How many rows the program reads step leaf k as (`Program.split`; 0: whole)."""
+        return self.prog.split[k] if k < len(self.prog.split) else 0
+
     def _inputs(self, leaves, plain=lambda x: x) -> list:
         """The step's argument leaves as the program's inputs: a leaf the program reads
         as rows (`Program.split`) gives one input per row (this runtime's own
         `StagedRows` as they are held; any other leaf made `plain` first and sliced)."""
-        split = self.prog.split
         n_leaves = len(self.prog.inputs) - self.nstate + self.leaves
         if len(leaves) != n_leaves:
             raise ValueError(f"expected {n_leaves} array leaves, got {len(leaves)}")
         out = []
         for k, x in enumerate(leaves):
-            n = split[k] if k < len(split) else 0
+            n = self._rows_in(k)
             if not n:
                 out.append(x)
             elif isinstance(x, StagedRows) and x.owner is self:
@@ -228,10 +235,10 @@ class StageWiring:
     def _program_inputs(self, leaves) -> set[int]:
         """The program's state inputs that flat step leaves `leaves` are fed as (a leaf
         read as rows, `Program.split`, is several)."""
-        split, out, at = self.prog.split, set(), 0
+        wanted, out, at = set(leaves), set(), 0
         for k in range(self.leaves):
-            n = max(split[k] if k < len(split) else 0, 1)
-            if k in set(leaves):
+            n = max(self._rows_in(k), 1)
+            if k in wanted:
                 out |= set(range(at, at + n))
             at += n
         return out
@@ -241,7 +248,7 @@ class StageWiring:
         regrouped as `StagedRows` (`stages`: each row's stage, where rows are arrays)."""
         out, it, p = [], iter(rows), 0
         for k in range(self.leaves):
-            n = self.prog.split[k] if k < len(self.prog.split) else 0
+            n = self._rows_in(k)
             if n:
                 out.append(StagedRows([next(it) for _ in range(n)], owner=self, stages=None
                                       if stages is None else stages[p:p + n]))

@@ -46,8 +46,8 @@ from hapsynth.synth.slots import (APART_BYTES, packed_bytes, sum_bytes, sum_dtyp
                                   touched_bytes, wire_rounds)
 from hapsynth.synth.stages import Regions, stage_of
 
-__all__ = ["Pipeline", "plan_pipeline", "plan_vshape", "rows_of", "islands_of", "stage_parts",
-           "stage_groups", "RUNTIMES"]
+__all__ = ["Pipeline", "plan_pipeline", "plan_vshape", "rows_of", "islands_of", "islands_differ",
+           "stage_parts", "stage_groups", "RUNTIMES"]
 
 SCHEDULES = ("gpipe", "1f1b", "hetero-1f1b")
 
@@ -94,6 +94,12 @@ class Pipeline:
 
 def islands_of(cluster: Cluster) -> list[tuple[int, ...]]:
     return [cluster.island_devices(k) for k in range(cluster.num_islands)]
+
+
+def islands_differ(cluster: Cluster) -> bool:
+    """Whether the cluster's islands hold unequal device counts (a stage per whole island
+    then runs free only)."""
+    return len({len(d) for d in islands_of(cluster)}) > 1
 
 
 def stage_parts(cluster: Cluster, whole_islands: bool = False
@@ -837,7 +843,7 @@ def as_plan(pipe: Pipeline, dp: Plan, spmd: Plan, cluster: Cluster, runtime: str
                          f"({pipe.order}) runs free only (runtime='free'), not in ticks")
     M = pipe.micros
     names = [c.name for c in cluster.classes]
-    if pipe.whole_islands and runtime != "free" and len({len(d) for d in islands_of(cluster)}) > 1:
+    if pipe.whole_islands and runtime != "free" and islands_differ(cluster):
         raise ValueError("a pipeline whose stages hold islands of unequal device counts "
                          f"({[len(d) for d in islands_of(cluster)]}) runs free only "
                          "(runtime='free'), not in ticks")

@@ -279,7 +279,7 @@ def with_pipeline(graph: Graph, cluster: Cluster, spmd: Plan | None, *, num_stat
     it (`synth.pipeline.RUNTIMES`)."""
     from dataclasses import replace
 
-    from hapsynth.synth.pipeline import (as_plan, islands_of, plan_pipeline, plan_vshape,
+    from hapsynth.synth.pipeline import (as_plan, islands_differ, plan_pipeline, plan_vshape,
                                          stage_groups)
     from hapsynth.synth.stages import NotPipelineable, analyse
 
@@ -321,7 +321,7 @@ def with_pipeline(graph: Graph, cluster: Cluster, spmd: Plan | None, *, num_stat
         # (stages on equal parts of the islands, and where islands differ in size, a
         # stage per island: in one process, as a transfer between processes keeps its
         # layout, so both ends need as many devices)
-        unequal = len(set(map(len, islands_of(cluster)))) > 1 and jax.process_count() == 1
+        unequal = islands_differ(cluster) and jax.process_count() == 1
         found = [f(graph, cluster, regions, dp.tensor_layouts, num_state_leaves,
                    free_running=True, whole_islands=w, **kw)
                  for w in ((False, True) if unequal else (False,))
