@@ -344,3 +344,20 @@ def test_donated_state_is_reused_by_the_rounds(model, shape):
             alone = [len(h) == 1 for h in par.lowered(*args)._holders]
             assert gone == (alone if donate else [False] * len(gone))
             assert sum(alone) == len(alone) - (1 if shape == "straight" else 2)
+
+
+@pytest.mark.slow  # traces two outside models, straight and V (~40 s)
+@pytest.mark.parametrize("name", ["linen_transformer", "nnx_gpt"])
+def test_outside_models_run_free_on_unequal_islands(name):
+    """Train steps written elsewhere (a Flax linen transformer, an NNX GPT) over islands
+    of 2 and 6 devices, a stage per whole island (the V100s' rows uneven), straight and
+    V, their state donated: 3 steps equal one-device `jit`."""
+    from elsewhere import get as outside
+
+    cluster = unequal_islands(2, 6)
+    for shape in ("straight", "V"):
+        step, args = outside(name, "tiny")  # (donated by the last run, as with jax.jit)
+        _, plan = _free_plan(step, args, cluster, shape, whole_islands=True)
+        assert any(len(set(st["rows"])) > 1 for st in plan.stages)
+        _equals_jit(hs.parallelize(step, cluster=cluster, plan=plan, donate_argnums=(0, 1)),
+                    step, args)
