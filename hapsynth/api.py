@@ -105,12 +105,12 @@ def from_process_zero(text: str | None) -> str:
     if jax.process_count() == 1:
         return text
     import numpy as np
-    from jax.experimental import multihost_utils as mh
+
+    from hapsynth.lower.moves import broadcast
 
     data = np.frombuffer(text.encode(), np.uint8) if jax.process_index() == 0 else None
-    n = int(mh.broadcast_one_to_all(np.int32(0 if data is None else data.size)))
-    buf = np.zeros(n, np.uint8) if data is None else data
-    return bytes(np.asarray(mh.broadcast_one_to_all(buf))).decode()
+    n = int(broadcast(np.int32(0 if data is None else data.size)))
+    return bytes(broadcast(np.zeros(n, np.uint8) if data is None else data)).decode()
 
 
 def considers_pipeline(cluster, pipeline, strategy: str = "auto") -> bool:

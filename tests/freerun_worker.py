@@ -3,7 +3,8 @@ devices each, a pipeline between them run free (`pipeline_runtime="free"`), valu
 between the processes by `jax.device_put` (cross-host transfers through sockets).
 
     python freerun_worker.py PROCESS_ID PORT TRANSFER_PORT MODEL [DEVICES]
-    (TRANSFER_PORT: its own; DEVICES per process, 2 unless given)
+    (TRANSFER_PORT: its own; DEVICES per process, 2 unless given, or "N0,N1" for
+    islands of unequal sizes)
 
 Three chained steps; prints MAXERR against single-device jax.jit (the state gathered on
 every process) and the stages' islands.
@@ -12,9 +13,10 @@ import os
 import sys
 
 pid, port, transfer, model = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
-n = int(sys.argv[5]) if len(sys.argv) > 5 else 2
+counts = [int(c) for c in (sys.argv[5] if len(sys.argv) > 5 else "2").split(",")] * 2
+counts = counts[:2]
 os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["JAX_NUM_CPU_DEVICES"] = str(n)
+os.environ["JAX_NUM_CPU_DEVICES"] = str(counts[pid])
 import jax  # noqa: E402
 
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -27,7 +29,8 @@ import numpy as np  # noqa: E402
 import hapsynth as hs  # noqa: E402
 from hapsynth.models import get  # noqa: E402
 
-cluster = hs.Cluster.simulated([("A100", n), ("V100", n)], devices_per_host=n,
+cluster = hs.Cluster.simulated([("A100", counts[0], {"host": 0}),
+                                ("V100", counts[1], {"host": 1})],
                                islands={"a": ["A100"], "b": ["V100"]},
                                links={"inter_island": {"bandwidth": "10Gbps", "latency": "50us"}})
 step, args = get(model, "tiny")

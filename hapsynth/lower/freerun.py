@@ -21,8 +21,10 @@ same dispatch: each program runs on the devices a process has of it and nothing
 elsewhere, and `jax.device_put` between two stages' devices moves the values from the
 processes holding them to those receiving them (multi-controller JAX's cross-host
 transfers: the backend's own, or through sockets where
-`jax_cross_host_transfer_socket_address` is set). The step's results lie on the devices
-of the stage making them; `hs.gather` brings them to every process.
+`jax_cross_host_transfer_socket_address` is set). Such a transfer keeps its layout, so
+between stages of unequal device counts a value goes a piece per receiving device
+(`lower/moves.py`). The step's results lie on the devices of the stage making them;
+`hs.gather` brings them to every process.
 """
 from __future__ import annotations
 
@@ -36,8 +38,9 @@ from hapsynth._jax import moves_across_processes
 from hapsynth.ir.signature import of_program
 from hapsynth.ir.trace import Const, Program
 from hapsynth.lower import cpu
+from hapsynth.lower.moves import move
 from hapsynth.lower.packing import pad_to, trim
-from hapsynth.lower.values import STAGE_DEVICES, Sharded, Staged, plain
+from hapsynth.lower.values import Sharded, Staged, plain
 from hapsynth.lower.wiring import StageWiring
 from hapsynth.synth.plan import Plan
 from hapsynth.synth.slots import sum_dtype
@@ -60,13 +63,8 @@ class FreeRunning(StageWiring):
         super().__init__(prog, plan)
         self.donate = self._program_inputs(donate)
         self.hook = branch_hook
-        owners = [{devices[d].process_index for d in st["devices"]} for st in plan.stages]
-        if len(set().union(*owners)) > 1 and len({len(st["devices"]) for st in plan.stages}) > 1:
-            raise NotImplementedError(
-                f"a free-running pipeline over several processes whose stages hold unequal "
-                f"device counts ({[len(st['devices']) for st in plan.stages]}): a transfer "
-                f"between processes keeps its layout, so both ends need as many devices")
-        if len(set().union(*owners)) > 1 and not moves_across_processes():
+        owners = {devices[d].process_index for st in plan.stages for d in st["devices"]}
+        if len(owners) > 1 and not moves_across_processes():
             raise RuntimeError(
                 "a free-running pipeline over several processes moves values between them "
                 "with jax.device_put: set jax.config.update('jax_cross_host_transfer_socket_"
@@ -74,7 +72,6 @@ class FreeRunning(StageWiring):
                 "pipeline_runtime='ticks'")
         self.meshes = [Mesh(np.array([devices[d] for d in st["devices"]]), (DATA,))
                        for st in plan.stages]
-        STAGE_DEVICES.update(frozenset(d.id for d in m.devices.flat) for m in self.meshes)
         # per (stage, phase): the phases whose values it reads (they run first)
         self.sources = {(s, ph): sorted({(a, pha) for (a, pha), dests in self.sends.items()
                                          if (s, ph) in dests} | ({(s, "F")} if ph == "B" else set()))
@@ -199,7 +196,7 @@ class FreeRunning(StageWiring):
         if (t, a, b) not in self._rechunks:
             self._rechunks[(t, a, b)] = self._relayout(t, a, b)
         fn, where = self._rechunks[(t, a, b)]
-        return jax.device_put(v if fn is None else fn(v), where)
+        return move(v if fn is None else fn(v), where)
 
     def _relayout(self, t, a, b):
         """(a program on a's devices or None, b's sharding) for value t from stage a to b.
@@ -380,7 +377,7 @@ class FreeRunning(StageWiring):
 
     # -- running it -----------------------------------------------------------------------
     def _put(self, x, s):
-        return jax.device_put(x, NamedSharding(self.meshes[s], PS()))
+        return move(x, self._whole[s])
 
     def _zeros_of(self, s, ph):
         """A program making stage s's sums of phase `ph` zero, one row per device, on the
@@ -410,7 +407,7 @@ class FreeRunning(StageWiring):
         state = [{} for _ in range(S)]  # per stage, the state leaves it reads, by id
         for p in range(self.nstate):
             for s in self._holders[p]:
-                state[s][prog.inputs[p]] = jax.device_put(leaves[p], whole[s])
+                state[s][prog.inputs[p]] = move(leaves[p], whole[s])
         data = [{} for _ in range(S)]
         for s in range(S):
             got = {t: jax.device_put(jnp.asarray(leaves[i]), whole[s])
@@ -452,7 +449,7 @@ class FreeRunning(StageWiring):
                 if src is not None and o in avail[src]:
                     avail[s][o] = self._put(avail[src][o], s)
                 elif o in self.leaf:
-                    avail[s][o] = jax.device_put(leaves[self.leaf[o]], whole[s])
+                    avail[s][o] = move(leaves[self.leaf[o]], whole[s])
         final = [self._last(s, avail[s]) for s in range(S)]
         new = []
         for p in range(self.nstate):

@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
 from hapsynth.ir.layout import Layout
+from hapsynth.lower.moves import everywhere
 
 AXIS = "d"
 
@@ -172,30 +173,11 @@ def load_array(load, layout: Layout, shape, dtype, shard_units, mesh) -> jax.Arr
     return jax.make_array_from_single_device_arrays(tuple(stored), sharding, pieces)
 
 
-#: The device sets (ids) of free-running pipelines' stages: an array whole on one of them
-#: lies on the devices of some processes only (`lower/freerun.py`), the same on each.
-STAGE_DEVICES: set = set()
-
-
 def _addressable(data):
-    """The whole global array in this process (across hosts: an all-gather over processes;
-    an array whole on a free-running pipeline's stage, on the devices of some processes
-    only, is sent from the first of them to every process)."""
+    """The whole global array in this process (across hosts: replicated over the devices
+    holding it, then sent from the first process holding it to the others)."""
     if isinstance(data, jax.Array) and jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        held = sorted({d.process_index for d in data.sharding.device_set})
-        if len(held) < jax.process_count() and frozenset(
-                d.id for d in data.sharding.device_set) in STAGE_DEVICES:
-            if not data.sharding.is_fully_replicated:
-                raise NotImplementedError(
-                    f"gathering an array split over the devices of processes {held} only")
-            me = jax.process_index() == held[0]
-            local = np.asarray(data.addressable_shards[0].data) if me else \
-                np.zeros(data.shape, data.dtype)
-            return jnp.asarray(multihost_utils.broadcast_one_to_all(local, is_source=me))
-        if not data.is_fully_addressable:
-            return jnp.asarray(multihost_utils.process_allgather(data, tiled=True))
+        return everywhere(data)
     return data
 
 

@@ -319,9 +319,8 @@ def with_pipeline(graph: Graph, cluster: Cluster, spmd: Plan | None, *, num_stat
         runtime = "free" if jax.process_count() == 1 or moves_across_processes() else "ticks"
     if runtime == "free":  # (one stage over every device is no pipeline to run free)
         # (stages on equal parts of the islands, and where islands differ in size, a
-        # stage per island: in one process, as a transfer between processes keeps its
-        # layout, so both ends need as many devices)
-        unequal = islands_differ(cluster) and jax.process_count() == 1
+        # stage per island too)
+        unequal = islands_differ(cluster)
         found = [f(graph, cluster, regions, dp.tensor_layouts, num_state_leaves,
                    free_running=True, whole_islands=w, **kw)
                  for w in ((False, True) if unequal else (False,))
