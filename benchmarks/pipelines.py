@@ -23,7 +23,10 @@ stages on one island, the middle on another (a tied embedding's ends on one isla
 priced in lock step and free-running (run free only); "auto" is what `pipeline="auto"`
 returns with the default `pipeline_runtime="auto"` (one process drives every device
 here, so plans run free are candidates), "auto, tick loop only" with
-`pipeline_runtime="ticks"` (what runs across processes without cross-host transfers). Rows
+`pipeline_runtime="ticks"` (what runs across processes without cross-host transfers).
+Where auto cuts a step with its own recomputation (`jax.checkpoint`) undone
+(`ir/cse.py`), the pipeline columns price that program too, and the ideal is its limit
+(the step without the recomputation). Rows
 include where pipelines pay (large gradients, slow inter-island links) and where they
 do not (fast links; activations crossing a cut outweighing the gradients).
 """
@@ -48,11 +51,13 @@ import jax  # noqa: E402
 import hapsynth as hs  # noqa: E402
 from hapsynth.api import state_arity  # noqa: E402
 from hapsynth.ir import lift_program, trace  # noqa: E402
+from hapsynth.ir.cse import merge_recomputed  # noqa: E402
 from hapsynth.ir.unroll import written_out  # noqa: E402
 from hapsynth.models import ZOO, get  # noqa: E402
 from hapsynth.synth.pipeline import SCHEDULES, islands_differ, plan_pipeline, plan_vshape  # noqa: E402
 from hapsynth.synth.stages import NotPipelineable, analyse  # noqa: E402
-from hapsynth.synth.synthesize import data_parallel_plan  # noqa: E402
+from hapsynth.api import make_plan  # noqa: E402
+from hapsynth.synth.synthesize import InfeasibleMemory, data_parallel_plan  # noqa: E402
 
 
 def with_link(name: str, bandwidth: str) -> hs.Cluster:
@@ -102,14 +107,26 @@ def row(name: str, config: str, where, time_limit: float) -> dict:
     n = len(jax.tree.leaves(args[:k]))
     prog = trace(step, *args)
     prog, n = written_out(prog, n) or (prog, n)  # as `pipeline="auto"` cuts it
+    merged = (auto.pipeline or {}).get("merged")
+    if merged:  # its own recomputation undone (`ir/cse.py`)
+        prog = merge_recomputed(prog)
     graph = lift_program(prog)
     dp = data_parallel_plan(graph, cluster, num_state_leaves=n, data_inputs=graph.inputs[n:])
+    spmd_merged = None
+    if merged:  # what SPMD alone would price on that program (it runs the step as written)
+        try:
+            spmd_merged = make_plan(graph, cluster, num_state_leaves=n,
+                                    data_inputs=graph.inputs[n:],
+                                    time_limit=time_limit).predicted_step_time
+        except InfeasibleMemory:
+            spmd_merged = float("inf")
     out = {"model": f"{name}-{config}", "cluster": cluster.name, "auto": auto.predicted_step_time,
            "chosen": auto.chosen, "spmd": auto.baselines["SPMD"], "ideal": auto.baselines["ideal"],
            "stages": len(auto.stages), "why": auto.solver.get("pipeline", ""),
            "ticks only": ticked.predicted_step_time,
            "idle": [st["island"] for st in auto.stages if st["ops"] == 0],
            "runtime": (auto.pipeline or {}).get("runtime", ""),
+           "merged": bool(merged),
            "auto vee": len({tuple(st["devices"]) for st in auto.stages}) < len(auto.stages)}
     try:
         regions = analyse(graph, dp.tensor_layouts, dp.op_inputs, n)
@@ -139,6 +156,11 @@ def row(name: str, config: str, where, time_limit: float) -> dict:
         p = plan_pipeline(graph, cluster, regions, dp.tensor_layouts, n, kinds=(kind,),
                           by_links=False)
         out["balanced " + kind] = (p.step, p.fits) if p else None
+    if spmd_merged is not None:
+        out["why"] += ("; SPMD-only with the recomputation undone too (priced on the "
+                       "written-out step; SPMD runs the step as written): " + (
+                           f"{spmd_merged:.4g} s" if spmd_merged < float("inf")
+                           else "does not fit"))
     out["seconds"] = time.perf_counter() - t0
     return out
 
@@ -168,6 +190,8 @@ def table(rows) -> str:
             pick += ", V-shaped"
         if r.get("runtime") == "free":
             pick += ", run free"
+        if r.get("merged"):
+            pick += ", its recomputation undone"
         if r.get("idle"):  # microbatches on the other islands alone: gradient accumulation
             pick += f" ({', '.join(r['idle'])} idle)"
         a, b = r.get("balanced 1f1b"), r.get("balanced hetero-1f1b")

@@ -10,8 +10,9 @@ from hapsynth import progress
 from hapsynth.cluster import Cluster
 from hapsynth.ir import inspect as _inspect
 from hapsynth.ir import lift_program, trace
-from hapsynth.ir.unroll import unroll, written_out
-from hapsynth.ir.remat import cannot_fit, describe, rematerialize, room
+from hapsynth.ir.cse import merge_recomputed
+from hapsynth.ir.unroll import unroll, unrollable, written_out
+from hapsynth.ir.remat import cannot_fit, describe, rematerialize, room, undone
 from hapsynth.ir.signature import of_graph
 from hapsynth.ir.views import fold_batch_splits
 from hapsynth.lower.devices import local_devices
@@ -123,8 +124,8 @@ def make_plan(graph, cluster, *, num_state_leaves: int, data_inputs, strategy: s
     """A synthesized plan (`strategy="auto"`, `options` as in `synthesize.Options`), or data
     parallelism (`"data-parallel"`, at FLOP/s-proportional `shares` unless given); with
     `pipeline` ("auto" or True) a pipeline across islands is considered too, cut in
-    `straight` when given: (graph, state leaves) of the step with its loops written out
-    (`ir/unroll.py`)."""
+    `straight` when given: (graph, state leaves, what its plan records) of the step with
+    its loops written out (`ir/unroll.py`), one or more ways (`with_pipeline`)."""
     check_pipeline(pipeline)
     if considers_pipeline(cluster, pipeline, strategy):
         try:
@@ -209,14 +210,23 @@ def plan_program(prog, cluster, *, num_state_leaves: int, remat="auto",
             lifted[id(p)] = p, lift_program(p)  # (the program kept: its id stays its own)
         return lifted[id(p)][1]
 
-    def plan_of(p) -> Plan:
+    def plan_of(p, **override) -> Plan:
         graph = lift(p)
         straight = None
-        if considers_pipeline(cluster, kw.get("pipeline", False), kw.get("strategy", "auto")):
+        options = {**kw, **override}
+        if considers_pipeline(cluster, options.get("pipeline", False),
+                              options.get("strategy", "auto")):
             u = written_out(p, num_state_leaves)
-            straight = (lift_program(u[0]), u[1]) if u else None
+            unrolled = {"unrolled": num_state_leaves} if u else {}
+            q, n = u or (p, num_state_leaves)
+            merged = merge_recomputed(q) if p is prog else None
+            if u or merged is not None:
+                straight = [(lift_program(q) if u else graph, n, unrolled)]
+            if merged is not None:  # the step's own recomputation undone, stages cut in it
+                straight.append((lift_program(merged), n, {**unrolled, "merged": True}))
         return make_plan(graph, cluster, num_state_leaves=num_state_leaves,
-                         data_inputs=graph.inputs[num_state_leaves:], straight=straight, **kw)
+                         data_inputs=graph.inputs[num_state_leaves:], straight=straight,
+                         **options)
 
     if remat is False:
         plan = plan_of(prog)
@@ -233,6 +243,16 @@ def plan_program(prog, cluster, *, num_state_leaves: int, remat="auto",
             if again is not None:
                 try:
                     other = replace(plan_of(again), remat=describe(prog, again, target))
+                except InfeasibleMemory:
+                    other = None
+                plan = sooner(plan, other, kw.get("pipeline", False),
+                              kw.get("min_gain", Options.min_gain))
+            pair = undone_program(prog, num_state_leaves)  # (SPMD runs it so too)
+            if pair is not None and kw.get("pipeline", False) is not True:
+                try:
+                    other = replace(plan_of(pair[1], pipeline=False), remat={
+                        **undone(*pair),
+                        **({"unrolled": num_state_leaves} if prog.loops else {})})
                 except InfeasibleMemory:
                     other = None
                 plan = sooner(plan, other, kw.get("pipeline", False),
@@ -353,12 +373,27 @@ def synthesize_once(prog, cluster, **kw) -> tuple[Plan, object]:
     return plan, done
 
 
+def undone_program(prog, num_state_leaves: int | None):
+    """(`prog`, its loops written out where it has any, its stacked leaves still fed
+    stacked; that with its own recomputation undone, `ir/cse.py`), or None where no
+    matmul repeats."""
+    if prog.loops:
+        if num_state_leaves is None or not unrollable(prog, num_state_leaves):
+            return None
+        prog = unroll(prog, num_state_leaves, stacked=True)
+    merged = merge_recomputed(prog)
+    return None if merged is None else (prog, merged)
+
+
 def program_of(plan: Plan, prog):
     """The program `plan` runs: `prog`, rewritten the way it was when planned."""
-    if plan.remat:
+    if plan.remat and plan.remat.get("undone"):
+        prog = undone_program(prog, plan.remat.get("unrolled"))[1]
+    elif plan.remat:
         prog = rematerialize(prog, plan.remat["target"])
     unrolled = plan.pipeline.get("unrolled") if plan.pipeline else None
-    return prog if unrolled is None else unroll(prog, unrolled)
+    prog = prog if unrolled is None else unroll(prog, unrolled)
+    return merge_recomputed(prog) if plan.pipeline and plan.pipeline.get("merged") else prog
 
 
 def donated_leaves(args, donate_argnums) -> list[int]:

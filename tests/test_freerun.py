@@ -302,6 +302,33 @@ def test_scan_over_layers_runs_free_equal_one_device():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("model", ["unrolled_gpt", "scan_gpt"])
+def test_a_steps_own_recomputation_is_undone_in_a_pipeline(model, monkeypatch):
+    """A GPT whose blocks are under `jax.checkpoint` (a Python loop over the layers, or a
+    scan written out) is also cut with its recomputation undone (`ir/cse.py`): the
+    stages then keep their activations and run fewer ops, and the plan says so. 3 steps
+    equal one-device `jit`, from the plan and from its JSON (which rebuilds the same
+    program)."""
+    from test_elsewhere import get as elsewhere
+
+    step, args = elsewhere(model)
+    cluster = two_islands()
+
+    def plan_of():
+        return hs.parallelize(step, cluster=cluster, pipeline=True, time_limit=1,
+                              pipeline_runtime="free")
+    par = plan_of()
+    plan = par.plan(*args)
+    assert plan.pipeline["merged"] is True
+    _equals_jit(par, step, args)
+    again = hs.parallelize(step, cluster=cluster, plan=hs.Plan.from_json(plan.to_json()))
+    _equals_jit(again, step, args)
+    monkeypatch.setattr("hapsynth.api.merge_recomputed", lambda prog: None)
+    kept = plan_of().plan(*args)  # the recomputation as written
+    assert "merged" not in kept.pipeline
+    assert sum(st["ops"] for st in plan.stages) < sum(st["ops"] for st in kept.stages)
+
+
 @pytest.mark.parametrize("model,shape,v100s", [
     pytest.param("mlp", "straight", 4, marks=pytest.mark.slow),
     pytest.param("gpt", "V", 4, marks=pytest.mark.slow),

@@ -253,6 +253,13 @@ def describe(before: Program, after: Program, target: float | None) -> dict:
             "peak_before": peak_bytes(before), "peak_after": peak_bytes(after)}
 
 
+def undone(before: Program, after: Program) -> dict:
+    """For `Plan.remat`: the step's own recomputation undone (`ir/cse.py`: `after` is
+    `merge_recomputed(before)`), ops merged, peak bytes before and after."""
+    return {"undone": True, "merged": len(before.eqns) - len(after.eqns),
+            "peak_before": peak_bytes(before), "peak_after": peak_bytes(after)}
+
+
 def room(capacities, held: float = 0.0) -> float:
     """The most activation bytes devices of these memory capacities can hold together,
     each also holding `held` bytes: sharded tensors are stored padded alike on every

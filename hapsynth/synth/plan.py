@@ -75,6 +75,10 @@ class Plan:
         if not self.remat:
             return ""
         r = self.remat
+        if r.get("undone"):
+            return (f"the step's own recomputation undone, {r['merged']} ops merged into the "
+                    f"forward (activations at the peak {r['peak_before'] / 2**30:.1f} -> "
+                    f"{r['peak_after'] / 2**30:.1f} GiB in all)")
         return (f"{r['recomputed']} ops recomputed in the backward pass (activations at the "
                 f"peak {r['peak_before'] / 2**30:.1f} -> {r['peak_after'] / 2**30:.1f} GiB in all)")
 
@@ -173,6 +177,9 @@ class Plan:
         if p.get("unrolled") is not None:
             out.append(f"  written out: loops as layers, the {p['unrolled']} state leaves fed as "
                        f"{self.state_leaves} inputs (layer-stacked ones by rows)")
+        if p.get("merged"):
+            out.append("  merged:      the step's own recomputation undone (`jax.checkpoint`'s "
+                       "forward ops in the backward pass read from the forward)")
         for k, st in enumerate(self.stages):
             out.append(f"  stage {k} {st['island']}: from op {st['from_rank']}, rows {st['rows']}, "
                        f"forward {st['forward'] * 1e3:.4g} ms, backward {st['backward'] * 1e3:.4g} ms "

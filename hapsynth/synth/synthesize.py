@@ -258,10 +258,30 @@ def check_runtime(runtime) -> None:
         raise ValueError(f"pipeline_runtime must be 'auto', 'ticks' or 'free', got {runtime!r}")
 
 
+def _fastest_pipeline(tries) -> Plan:
+    """The fastest pipeline plan of `tries` (calls of `with_pipeline` on one step written
+    out alternative ways); where none pipelines, the first's plan, or its error."""
+    from hapsynth.synth.stages import NotPipelineable
+
+    plans, errors = [], []
+    for t in tries:
+        try:
+            plans.append(t())
+        except (InfeasibleMemory, NotPipelineable) as err:
+            errors.append(err)
+    piped = [p for p in plans if p.stages]
+    if piped:
+        return min(piped, key=lambda p: p.predicted_step_time)
+    if plans:
+        return plans[0]
+    raise errors[0]
+
+
 def with_pipeline(graph: Graph, cluster: Cluster, spmd: Plan | None, *, num_state_leaves: int,
                   data_inputs, pipeline, min_gain: float = 0.05,
                   unfit: InfeasibleMemory | None = None,
-                  straight: tuple[Graph, int] | None = None, runtime: str = "auto") -> Plan:
+                  straight: list[tuple[Graph, int, dict]] | None = None,
+                  runtime: str = "auto") -> Plan:
     """`pipeline="auto"`: a pipeline across the cluster's islands when it prices `min_gain`
     faster than `spmd` (the best SPMD-only plan; None when none fits) and fits (a pipeline
     is the more complex program, as data parallelism is kept over a plan barely faster),
@@ -269,8 +289,10 @@ def with_pipeline(graph: Graph, cluster: Cluster, spmd: Plan | None, *, num_stat
     islands) where that prices better still; `True`: the pipeline of two stages or more
     whatever it prices (an error saying why when there is none). The plan's
     `baselines["SPMD"]` is the SPMD-only time; `solver["pipeline"]` says what was decided.
-    `straight`: (graph, state leaves) of the step with its loops written out, where
-    stages are cut (the plan then runs that program: `pipeline["unrolled"]`). `runtime`:
+    `straight`: (graph, state leaves, what its plan's `pipeline` records) of the step
+    made ready to cut, one or more ways: its loops written out (`pipeline["unrolled"]`:
+    the state leaves `ir.unroll` was given), its own recomputation undone
+    (`pipeline["merged"]`); the fastest pipeline of them is kept. `runtime`:
     "ticks", pipelines run in one tick loop (`Pipelined`); "free", pipelines priced
     free-running, V shapes and stages on whole islands of unequal sizes among them, are
     candidates too (`FreeRunning`); "auto",
@@ -294,9 +316,15 @@ def with_pipeline(graph: Graph, cluster: Cluster, spmd: Plan | None, *, num_stat
     if cluster.num_islands < 2:
         return keep(f"cluster {cluster.name!r} has one island (declare islands to pipeline "
                     "across them)")
-    written_out = num_state_leaves
+    if straight is not None and len(straight) > 1:
+        return _fastest_pipeline([
+            lambda s=s: with_pipeline(graph, cluster, spmd, num_state_leaves=num_state_leaves,
+                                      data_inputs=data_inputs, pipeline=pipeline,
+                                      min_gain=min_gain, unfit=unfit, straight=[s],
+                                      runtime=runtime) for s in straight])
+    recorded = {}
     if straight is not None:
-        graph, num_state_leaves = straight
+        graph, num_state_leaves, recorded = straight[0]
         data_inputs = graph.inputs[num_state_leaves:]
     if graph.batch_dims:
         return keep("the batch is read in microbatch views (a loop over slices)")
@@ -348,8 +376,11 @@ def with_pipeline(graph: Graph, cluster: Cluster, spmd: Plan | None, *, num_stat
     if spmd is None:
         spmd = replace(dp, predicted_step_time=float("nan"))
     plan = as_plan(pipe, dp, spmd, cluster, runtime="free" if pipe is free else "ticks")
-    if straight is not None:  # the program `ir.unroll` makes of the step's first leaves
-        plan = replace(plan, pipeline={**plan.pipeline, "unrolled": written_out})
+    if recorded:  # how the program it runs is made of the step (`api.program_of`)
+        plan = replace(plan, pipeline={**plan.pipeline, **recorded})
+    if recorded.get("merged"):  # the limit of the step without its recomputation
+        plan = replace(plan, baselines={**plan.baselines, "ideal": min(
+            plan.baselines["ideal"], graph.flops / cluster.total_flops)})
     what = ("gradient accumulation over every device" if len(pipe.order) == 1 else
             "pipelined, running free" if pipe is free else "pipelined")
     return replace(plan, solver={**plan.solver, "pipeline": (
