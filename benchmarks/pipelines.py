@@ -113,7 +113,7 @@ def row(name: str, config: str, where, time_limit: float) -> dict:
     graph = lift_program(prog)
     dp = data_parallel_plan(graph, cluster, num_state_leaves=n, data_inputs=graph.inputs[n:])
     spmd_merged = None
-    if merged:  # what SPMD alone would price on that program (it runs the step as written)
+    if merged:  # what SPMD alone prices on that program
         try:
             spmd_merged = make_plan(graph, cluster, num_state_leaves=n,
                                     data_inputs=graph.inputs[n:],
@@ -157,8 +157,8 @@ def row(name: str, config: str, where, time_limit: float) -> dict:
                           by_links=False)
         out["balanced " + kind] = (p.step, p.fits) if p else None
     if spmd_merged is not None:
-        out["why"] += ("; SPMD-only with the recomputation undone too (priced on the "
-                       "written-out step; SPMD runs the step as written): " + (
+        out["why"] += ("; SPMD-only on the program the pipeline cuts (its recomputation "
+                       "undone): " + (
                            f"{spmd_merged:.4g} s" if spmd_merged < float("inf")
                            else "does not fit"))
     out["seconds"] = time.perf_counter() - t0

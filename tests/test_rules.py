@@ -45,6 +45,7 @@ CASES = {
     "concat_split": (lambda a, b: jnp.split(jnp.concatenate([a, b], 1), [3], 1)[1] * 2,
                      r(0, 6, 3), r(1, 6, 4)),
     "pad": (lambda a: jnp.pad(a, ((0, 0), (1, 2))) * 2, r(0, 6, 5)),
+    "stack": (lambda a, b: jnp.stack([a, b], 1) * 2, r(0, 6, 5), r(1, 6, 5)),
     "slice": (lambda a: a[:, 1:4] * 2, r(0, 6, 5)),
     "dynamic_slice": (lambda a, i: lax.dynamic_slice(a, (0, i), (6, 2)), r(0, 6, 5),
                       jnp.int32(2)),

@@ -93,6 +93,16 @@ def concatenate(eqn):
     return rule(*aligned_dims(eqn, skip={eqn.params["dimension"]}))
 
 
+@register("stack", partial="sum")
+def stack(eqn):
+    """A new result dim at `axis` (the result's alone); operand dim i is result dim i, or
+    i + 1 from `axis` on, on every operand (`jnp.stack`, a primitive since JAX 0.10)."""
+    axis = eqn.params["axis"]
+    k = len(eqn.in_avals)
+    return rule(*[par(n, [(j, i) for j in range(k)], [(0, i + (i >= axis))])
+                  for i, n in enumerate(eqn.in_avals[0].shape)])
+
+
 @register("split")
 def split(eqn):
     return rule(*aligned_dims(eqn, skip={eqn.params["axis"]}))
