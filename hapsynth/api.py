@@ -351,11 +351,17 @@ def sooner(plan: Plan, other: Plan | None, pipeline, min_gain: float) -> Plan:
         return p.predicted_step_time / gain
 
     best = min((plan, other), key=price)
-    if "SPMD" not in best.baselines:
+    if not any("SPMD" in p.baselines for p in (plan, other)):  # (no pipeline was asked for)
         return best
     alone = min(spmd_time(plan), spmd_time(other))
     alone = alone if alone < float("inf") else float("nan")
     solver = best.solver
+    piped = [p for p in (plan, other) if p.stages]
+    why = [p.solver["pipeline"] for p in (plan, other) if p.solver.get("pipeline")]
+    if not best.stages and "pipeline" not in solver and (piped or why):  # why no pipeline
+        solver = {**solver, "pipeline": why[0] if not piped else (
+            f"SPMD prices better: {best.predicted_step_time:.4g} s vs the best pipeline's "
+            f"{piped[0].predicted_step_time:.4g} s")}
     if best.stages and alone < spmd_time(best):
         solver = {**solver, "pipeline": f"{solver.get('pipeline', '')}; SPMD-only with "
                                         f"activations recomputed {alone:.4g} s"}

@@ -85,3 +85,21 @@ def test_spmd_runs_a_checkpointed_step_without_its_recomputation(name):
     _equals_jit(par, step, args)
     again = hs.parallelize(step, cluster=cluster, plan=hs.Plan.from_json(plan.to_json()))
     _equals_jit(again, step, args)
+
+
+def test_auto_reports_the_spmd_time_whichever_program_it_keeps():
+    """`pipeline="auto"` on islands, the step as written against it with its
+    recomputation undone: whichever plan is kept, `baselines["SPMD"]` is the better
+    SPMD-only time of the two, and a kept SPMD plan says why no pipeline."""
+    import hapsynth as hs
+    from test_elsewhere import get as elsewhere
+    from test_pipeline import two_islands
+
+    step, args = elsewhere("unrolled_gpt")
+    plan = hs.parallelize(step, cluster=two_islands(), time_limit=1).plan(*args)
+    written = hs.parallelize(step, cluster=two_islands(), time_limit=1,
+                             remat=False).plan(*args)
+    assert plan.baselines["SPMD"] <= written.baselines["SPMD"]
+    if not plan.stages:
+        assert plan.baselines["SPMD"] == plan.predicted_step_time
+        assert plan.solver["pipeline"]
