@@ -57,11 +57,13 @@ def row(name: str, cluster: hs.Cluster, time_limit: float) -> str:
 
 
 def recomputed(plan) -> str:
-    """For a plan that recomputes activations (`ir/remat.py`): how much it holds less."""
+    """For a plan that recomputes activations (`ir/remat.py`): how much it holds less; or
+    that undoes the step's own recomputation (`ir/cse.py`): how much it holds more."""
     if not plan.remat:
         return ""
     r = plan.remat
-    return (f", activations recomputed ({r['peak_before'] / 2**30:.0f} -> "
+    what = "its own recomputation undone" if r.get("undone") else "activations recomputed"
+    return (f", {what} ({r['peak_before'] / 2**30:.0f} -> "
             f"{r['peak_after'] / 2**30:.0f} GiB at the peak)")
 
 
