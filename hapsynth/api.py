@@ -358,7 +358,8 @@ def sooner(plan: Plan, other: Plan | None, pipeline, min_gain: float) -> Plan:
     solver = best.solver
     piped = [p for p in (plan, other) if p.stages]
     why = [p.solver["pipeline"] for p in (plan, other) if p.solver.get("pipeline")]
-    if not best.stages and "pipeline" not in solver and (piped or why):  # why no pipeline
+    if not best.stages and "SPMD" not in best.baselines and "pipeline" not in solver and (
+            piped or why):  # a plan made without pipelines in view: why none was kept
         solver = {**solver, "pipeline": why[0] if not piped else (
             f"SPMD prices better: {best.predicted_step_time:.4g} s vs the best pipeline's "
             f"{piped[0].predicted_step_time:.4g} s")}
