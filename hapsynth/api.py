@@ -381,13 +381,13 @@ def synthesize_once(prog, cluster, **kw) -> tuple[Plan, object]:
 
 
 def undone_program(prog, num_state_leaves: int | None):
-    """(`prog`, its loops written out where it has any, its stacked leaves still fed
-    stacked; that with its own recomputation undone, `ir/cse.py`), or None where no
-    matmul repeats."""
+    """(`prog`, its loops written out where it has any, every leaf still fed whole as
+    the step takes it; that with its own recomputation undone, `ir/cse.py`), or None
+    where no matmul repeats."""
     if prog.loops:
         if num_state_leaves is None or not unrollable(prog, num_state_leaves):
             return None
-        prog = unroll(prog, num_state_leaves, stacked=True)
+        prog = unroll(prog)  # (no leaf fed as rows: the step's own signature)
     merged = merge_recomputed(prog)
     return None if merged is None else (prog, merged)
 

@@ -64,7 +64,7 @@ def test_a_program_with_loop_regions_is_left_alone():
 @pytest.mark.parametrize("name", ["unrolled_gpt", "scan_gpt"])
 def test_spmd_runs_a_checkpointed_step_without_its_recomputation(name):
     """A step whose blocks are under `jax.checkpoint` (a Python loop over the layers, or
-    a scan, written out for this with its stacked leaves still fed stacked), on devices
+    a scan, written out for this with no leaf fed as rows), on devices
     with memory to spare: the plan runs it with the recomputation undone (fewer FLOPs,
     `plan.remat` says so), and 3 steps equal one-device `jit`, from the plan and from its
     JSON (which rebuilds the same program)."""

@@ -89,12 +89,10 @@ def _rows_of(e):
     return int(p["start_indices"][0]), int(p["limit_indices"][0])
 
 
-def unroll(prog: Program, num_state_leaves: int = 0, stacked: bool = False) -> Program:
+def unroll(prog: Program, num_state_leaves: int = 0) -> Program:
     """`prog` with every loop region written out; its leading `num_state_leaves` inputs
     (and the outputs they are handed back as) that are stacked on a loop's axis are fed
-    as their rows (`Program.split`), or with `stacked`, fed and handed back stacked as
-    the step takes them, their rows cut and stacked again inside (for SPMD, which runs
-    the step's own signature)."""
+    as their rows (`Program.split`)."""
     sliced = _row_read(prog, num_state_leaves)
     if not prog.loops and not sliced:
         return prog
@@ -102,7 +100,7 @@ def unroll(prog: Program, num_state_leaves: int = 0, stacked: bool = False) -> P
     split = {k for k in range(num_state_leaves)
              if (prog.avals[prog.inputs[k]].shape, prog.avals[prog.inputs[k]].dtype) in kinds}
     while True:  # a leaf shaped like a layer's that comes back whole is fed whole
-        closed, per_layer = _retrace(prog, split, stacked)
+        closed, per_layer = _retrace(prog, split)
         kept = {k for k in split if k in sliced or per_layer[k]}
         if kept == split:
             break
@@ -112,8 +110,7 @@ def unroll(prog: Program, num_state_leaves: int = 0, stacked: bool = False) -> P
                    for k in range(num_state_leaves))
     return replace(prog, eqns=tuple(eqns), avals=tuple(avals), inputs=tuple(inputs),
                    outputs=tuple(outputs), consts=consts, loops=loops,
-                   traced_eqns=len(closed.jaxpr.eqns),
-                   split=counts if split and not stacked else ())
+                   traced_eqns=len(closed.jaxpr.eqns), split=counts if split else ())
 
 
 def state_inputs(prog: Program, num_state_leaves: int) -> int:
@@ -121,23 +118,18 @@ def state_inputs(prog: Program, num_state_leaves: int) -> int:
     return num_state_leaves + sum(max(n - 1, 0) for n in prog.split)
 
 
-def _retrace(prog: Program, split: set[int], stacked: bool = False):
-    """The program traced with loops written out and the `split` leaves fed as rows (or
-    fed stacked and cut into rows inside, their outputs stacked again: `stacked`); and
+def _retrace(prog: Program, split: set[int]):
+    """The program traced with loops written out and the `split` leaves fed as rows; and
     per split leaf, whether its output came back per layer."""
     specs, per_layer = [], {}
     for k, t in enumerate(prog.inputs):
         a = prog.avals[t]
-        rows = [a.shape[1:]] * a.shape[0] if k in split and not stacked else [a.shape]
+        rows = [a.shape[1:]] * a.shape[0] if k in split else [a.shape]
         specs += [jax.ShapeDtypeStruct(s, a.dtype) for s in rows]
-
-    def cut(x, n):
-        return (lax.index_in_dim(x, i, keepdims=False) for i in range(n))
 
     def run(*flat):
         it = iter(flat)
-        args = [_Stack(cut(next(it), prog.avals[t].shape[0]) if stacked else
-                       (next(it) for _ in range(prog.avals[t].shape[0]))) if k in split
+        args = [_Stack(next(it) for _ in range(prog.avals[t].shape[0])) if k in split
                 else next(it) for k, t in enumerate(prog.inputs)]
         env = _evaluate(prog, args)
         outs = []
@@ -147,10 +139,6 @@ def _retrace(prog: Program, split: set[int], stacked: bool = False):
                 continue
             v = value_of(env, o)
             per_layer[k] = isinstance(v, _Stack)
-            if stacked:
-                outs.append(jnp.stack([_row(v, i) for i in range(len(v))]) if per_layer[k]
-                            else jnp.asarray(v))
-                continue
             outs += [_row(v, i) for i in range(len(v))] if per_layer[k] else [
                 lax.index_in_dim(jnp.asarray(v), i, keepdims=False) for i in range(v.shape[0])]
         return outs
