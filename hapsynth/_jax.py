@@ -72,6 +72,23 @@ def cond_branches(eqn):
     return [(b.jaxpr, tuple(b.consts)) for b in eqn.params["branches"]]
 
 
+def platform_branch(eqn) -> int | None:
+    """The value a `platform_index` eqn (`lax.platform_dependent`, as in `jnp.diagonal`)
+    takes on the platform the step runs on, JAX's default backend, as `jit` resolves it;
+    None for any other eqn, or where no branch names this platform and none is default."""
+    if eqn.primitive.name != "platform_index":
+        return None
+    from jax._src import xla_bridge
+    here = xla_bridge.canonicalize_platform(jax.default_backend())
+    default = None
+    for i, names in enumerate(eqn.params["platforms"]):
+        if names is None:
+            default = i
+        elif any(here in xla_bridge.expand_platform_alias(n) for n in names):
+            return i
+    return default
+
+
 def make_jaxpr(fn, *args):
     """Trace `fn(*args)` to a ClosedJaxpr; returns (closed_jaxpr, in_tree, out_tree)."""
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
@@ -91,6 +108,18 @@ def inline_body(eqn) -> tuple[Jaxpr, tuple[Any, ...]] | None:
     if isinstance(body, ClosedJaxpr):
         return body.jaxpr, tuple(body.consts)
     return body, ()
+
+
+def linear_solve_body(eqn, args) -> tuple[Jaxpr, tuple[Any, ...], list] | None:
+    """A `custom_linear_solve` (`jnp.linalg.solve`, `inv`) as what it runs, its `solve`
+    jaxpr on that jaxpr's consts and the right-hand side: (open jaxpr, consts, its
+    arguments among `args`), or None for another eqn."""
+    if eqn.primitive.name != "custom_linear_solve":
+        return None
+    n, body = eqn.params["const_lengths"], eqn.params["jaxprs"].solve
+    start = n.matvec + n.vecmat
+    return (body.jaxpr, tuple(body.consts),
+            [*args[start:start + n.solve], *args[sum(n):]])
 
 
 def sub_jaxprs(eqn) -> list[tuple[Jaxpr, tuple[Any, ...]]]:

@@ -11,9 +11,9 @@ from hapsynth.cluster import Cluster
 from hapsynth.ir import inspect as _inspect
 from hapsynth.ir import lift_program, trace
 from hapsynth.ir.cse import merge_recomputed
-from hapsynth.ir.unroll import unroll, unrollable, written_out
 from hapsynth.ir.remat import cannot_fit, describe, rematerialize, room, undone
 from hapsynth.ir.signature import of_graph
+from hapsynth.ir.unroll import unroll, unrollable, written_out
 from hapsynth.ir.views import fold_batch_splits
 from hapsynth.lower.devices import local_devices
 from hapsynth.lower.freerun import FreeRunning
@@ -204,11 +204,17 @@ def plan_program(prog, cluster, *, num_state_leaves: int, remat="auto",
     check_remat(remat)
 
     lifted: dict = {}
+    merges: dict = {}
 
     def lift(p):
         if id(p) not in lifted:
             lifted[id(p)] = p, lift_program(p)  # (the program kept: its id stays its own)
         return lifted[id(p)][1]
+
+    def merge(p):
+        if id(p) not in merges:
+            merges[id(p)] = p, merge_recomputed(p)
+        return merges[id(p)][1]
 
     def plan_of(p, **override) -> Plan:
         graph = lift(p)
@@ -219,7 +225,7 @@ def plan_program(prog, cluster, *, num_state_leaves: int, remat="auto",
             u = written_out(p, num_state_leaves)
             unrolled = {"unrolled": num_state_leaves} if u else {}
             q, n = u or (p, num_state_leaves)
-            merged = merge_recomputed(q) if p is prog else None
+            merged = merge(q) if p is prog else None
             if u or merged is not None:
                 straight = [(lift_program(q) if u else graph, n, unrolled)]
             if merged is not None:  # the step's own recomputation undone, stages cut in it
@@ -247,7 +253,7 @@ def plan_program(prog, cluster, *, num_state_leaves: int, remat="auto",
                     other = None
                 plan = sooner(plan, other, kw.get("pipeline", False),
                               kw.get("min_gain", Options.min_gain))
-            pair = undone_program(prog, num_state_leaves)  # (SPMD runs it so too)
+            pair = undone_program(prog, num_state_leaves, merge)  # (SPMD runs it so too)
             if pair is not None and kw.get("pipeline", False) is not True:
                 try:
                     other = replace(plan_of(pair[1], pipeline=False), remat={
@@ -380,15 +386,15 @@ def synthesize_once(prog, cluster, **kw) -> tuple[Plan, object]:
     return plan, done
 
 
-def undone_program(prog, num_state_leaves: int | None):
+def undone_program(prog, num_state_leaves: int | None, merge=merge_recomputed):
     """(`prog`, its loops written out where it has any, every leaf still fed whole as
-    the step takes it; that with its own recomputation undone, `ir/cse.py`), or None
-    where no matmul repeats."""
+    the step takes it; that with its own recomputation undone by `merge`, `ir/cse.py`'s
+    `merge_recomputed` or a cache of it), or None where no matmul repeats."""
     if prog.loops:
         if num_state_leaves is None or not unrollable(prog, num_state_leaves):
             return None
         prog = unroll(prog)  # (no leaf fed as rows: the step's own signature)
-    merged = merge_recomputed(prog)
+    merged = merge(prog)
     return None if merged is None else (prog, merged)
 
 

@@ -46,6 +46,9 @@ CASES = {
                      r(0, 6, 3), r(1, 6, 4)),
     "pad": (lambda a: jnp.pad(a, ((0, 0), (1, 2))) * 2, r(0, 6, 5)),
     "stack": (lambda a, b: jnp.stack([a, b], 1) * 2, r(0, 6, 5), r(1, 6, 5)),
+    "unstack": (lambda a: [x * 2 for x in jnp.unstack(a, axis=1)], r(0, 6, 3, 5)),
+    "stack_grad": (lambda a, b: jax.grad(lambda a, b: jnp.sum(jnp.stack([a, b], 2) ** 2),
+                                         (0, 1))(a, b), r(0, 6, 5), r(1, 6, 5)),
     "slice": (lambda a: a[:, 1:4] * 2, r(0, 6, 5)),
     "dynamic_slice": (lambda a, i: lax.dynamic_slice(a, (0, i), (6, 2)), r(0, 6, 5),
                       jnp.int32(2)),
@@ -89,6 +92,27 @@ CASES = {
                              r(0, 6, 5), ints(1, 5, 6, 2), r(2, 6, 2)),
     "scatter_set": (lambda a, i, u: a.at[i].set(u), r(0, 7, 4), ints(1, 7, 5), r(2, 5, 4)),
     "scatter_max": (lambda a, i, u: a.at[i].max(u), r(0, 7, 4), ints(1, 7, 5), r(2, 5, 4)),
+    "scatter_sub": (lambda a, i, u: a.at[i].subtract(u), r(0, 7, 4), ints(1, 7, 5), r(2, 5, 4)),
+    "searchsorted": (lambda a, b: [jnp.searchsorted(a, b, side=s, method="compare_all")
+                                   for s in ("left", "right")], r(0, 7), r(1, 6, 5)),
+    "diagonal": (lambda a: jnp.diagonal(a, axis1=1, axis2=2) * 2, r(0, 4, 5, 5)),
+    "fft": (lambda a: (jnp.fft.rfft(a).real, jnp.fft.fft2(a.astype(jnp.complex64)).imag),
+            r(0, 6, 4, 8)),
+    "irfft": (lambda a: jnp.fft.irfft(jnp.fft.rfft(a), n=8), r(0, 6, 8)),
+    "cholesky": (lambda a: jnp.linalg.cholesky(a @ jnp.swapaxes(a, 1, 2) + 4 * jnp.eye(4)),
+                 r(0, 6, 4, 4)),
+    "triangular_solve": (lambda a, b: (
+        lax.linalg.triangular_solve(jnp.tril(a) + 4 * jnp.eye(4), b, left_side=True, lower=True),
+        lax.linalg.triangular_solve(jnp.triu(a) + 4 * jnp.eye(4), jnp.swapaxes(b, 1, 2),
+                                    left_side=False, lower=False)), r(0, 6, 4, 4), r(1, 6, 4, 5)),
+    "linalg_solve_grad": (lambda a, b: jax.grad(lambda a, b: jnp.sum(jnp.linalg.solve(
+        a + 4 * jnp.eye(4), b) ** 2), (0, 1))(a, b), r(0, 6, 4, 4), r(1, 6, 4, 3)),
+    "ragged_dot": (lambda x, w: lax.ragged_dot(x, w, jnp.array([3, 0, 5], jnp.int32)),
+                   r(0, 8, 6), r(1, 3, 6, 4)),
+    "ragged_dot_grads": (lambda x, w: jax.grad(lambda x, w: jnp.sum(lax.ragged_dot(
+        x, w, jnp.array([3, 0, 5], jnp.int32)) ** 2), (0, 1))(x, w), r(0, 8, 6), r(1, 3, 6, 4)),
+    "qr_eigh_svd": (lambda a: (jnp.linalg.qr(a)[1], jnp.linalg.eigvalsh(a + jnp.swapaxes(a, 1, 2)),
+                               jnp.linalg.svd(a, compute_uv=False)), r(0, 6, 4, 4)),
     "one_hot": (lambda i: jax.nn.one_hot(i, 7), ints(0, 7, 6, 5)),
     "softmax_xent": (lambda z, y: jnp.mean(-jnp.sum(jax.nn.log_softmax(z) * jax.nn.one_hot(y, 5), -1)),
                      r(0, 6, 5), ints(1, 5, 6)),
@@ -115,6 +139,8 @@ def _run_case(name):
 def test_rule_by_execution(name):
     prog, checked = _run_case(name)
     assert checked > 0, f"{name}: no shardable factor was exercised"
+    unknown = sorted({e.name for e in prog.eqns if not rule_for(e).supported})
+    assert not unknown, f"{name}: no rule for {unknown} (replicated fallback)"
 
 
 def test_case_table_covers_the_registry_where_it_can():

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from jax import lax
 
 import hapsynth as hs
 
@@ -100,7 +101,70 @@ def mlp_custom_loss_step():
     return step, (params, tx.init(params), x, t)
 
 
-@pytest.mark.parametrize("make", [transformer_step, conv_step, mlp_custom_loss_step])
+def moe_step():
+    """A top-1 mixture of experts as MoE code writes it with grouped matmuls: tokens
+    sorted by expert, `lax.ragged_dot` over the experts' weights, scattered back."""
+    E, d, h, T, C = 4, 32, 512, 64, 8
+    k = jax.random.split(jax.random.key(0), 6)
+    params = {"router": jax.random.normal(k[0], (d, E)) * 0.3,
+              "w1": jax.random.normal(k[1], (E, d, h)) * 0.2,
+              "w2": jax.random.normal(k[2], (E, h, d)) * 0.2,
+              "out": jax.random.normal(k[3], (d, C)) * 0.2}
+    x = jax.random.normal(k[4], (T, d))
+    y = jax.random.randint(k[5], (T,), 0, C)
+    tx = optax.adam(1e-2)
+
+    def loss_fn(p, x, y):
+        logits = x @ p["router"]
+        expert = jnp.argmax(logits, -1)
+        gate = jnp.take_along_axis(jax.nn.softmax(logits), expert[:, None], 1)
+        order = jnp.argsort(expert)
+        sizes = jnp.bincount(expert, length=E).astype(jnp.int32)
+        hidden = jax.nn.gelu(lax.ragged_dot(x[order], p["w1"], sizes))
+        moved = jnp.zeros_like(x).at[order].set(lax.ragged_dot(hidden, p["w2"], sizes))
+        z = (x + gate * moved) @ p["out"]
+        return optax.softmax_cross_entropy_with_integer_labels(z, y).mean()
+
+    def step(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step, (params, tx.init(params), x, y)
+
+
+def linalg_step():
+    """Regression on spectral features through a learned SPD metric, per example: rfft,
+    a batched Cholesky factor, a triangular solve and `jnp.linalg.solve`, `jnp.diagonal`."""
+    B, n, m = 32, 16, 4
+    k = jax.random.split(jax.random.key(1), 4)
+    params = {"a": jax.random.normal(k[0], (n // 2 + 1, m * m)) * 0.1,
+              "w": jax.random.normal(k[1], (m, 1)) * 0.3}
+    x = jax.random.normal(k[2], (B, n))
+    t = jax.random.normal(k[3], (B, m))
+    tx = optax.sgd(0.05, momentum=0.9)
+
+    def loss_fn(p, x, t):
+        f = jnp.abs(jnp.fft.rfft(x))                       # [B, n/2+1]
+        a = (f @ p["a"]).reshape(-1, m, m)
+        spd = a @ jnp.swapaxes(a, 1, 2) + 2.0 * jnp.eye(m)  # [B, m, m]
+        chol = jnp.linalg.cholesky(spd)
+        z = jax.scipy.linalg.solve_triangular(chol, t[..., None], lower=True)[..., 0]
+        u = jnp.linalg.solve(spd, t[..., None])[..., 0]
+        logdet = 2 * jnp.log(jnp.diagonal(chol, axis1=1, axis2=2)).sum(-1)
+        pred = (z * u) @ p["w"]
+        return jnp.mean(pred[:, 0] ** 2) + 0.01 * jnp.mean(logdet)
+
+    def step(params, opt_state, x, t):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, t)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step, (params, tx.init(params), x, t)
+
+
+@pytest.mark.parametrize("make", [transformer_step, conv_step, mlp_custom_loss_step,
+                                  linalg_step])
 def test_user_step_is_covered_and_costed(make):
     step, args = make()
     report = hs.inspect(step, *args)
@@ -108,6 +172,14 @@ def test_user_step_is_covered_and_costed(make):
     cost = jax.jit(step).lower(*args).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     assert report["flops"] == pytest.approx(cost["flops"], rel=0.10)
+
+
+def test_grouped_matmul_step_is_covered():
+    """Every primitive of the MoE step has a rule. (Its flops are not XLA's: XLA CPU runs
+    `ragged_dot` as a dense product per group, the planner prices the grouped work that
+    GPUs and TPUs run.)"""
+    step, args = moe_step()
+    assert hs.inspect(step, *args)["unsupported"] == {}
 
 
 @pytest.mark.slow
@@ -140,6 +212,7 @@ def test_bert_base_sized_user_step_plans_on_the_hap_cluster():
 @pytest.mark.parametrize("make,cluster", [
     (conv_step, "2+6"), (mlp_custom_loss_step, "2+6"), (conv_step, "even"),
     (mlp_custom_loss_step, "even"),  # transformers: tests/test_elsewhere.py runs them too
+    (moe_step, "2+6"), (linalg_step, "2+6"),
     pytest.param(transformer_step, "2+6", marks=pytest.mark.slow),
     pytest.param(transformer_step, "even", marks=pytest.mark.slow)])
 def test_user_step_runs_distributed_like_one_device(make, cluster):
@@ -158,3 +231,29 @@ def test_user_step_runs_distributed_like_one_device(make, cluster):
     if cluster == "2+6":
         units = par.plan(*args).shard_units
         assert any(len(set(u)) > 1 for u in units.values())
+
+
+@pytest.mark.parametrize("make,strategy,sharded", [
+    (moe_step, "auto", {"ragged_dot_general"}),
+    (linalg_step, "data-parallel", {"fft", "cholesky", "lu", "triangular_solve"})])
+def test_grouped_and_batched_linear_algebra_run_sharded(make, strategy, sharded):
+    """Grouped matmuls (the experts' hidden dim) and batched Cholesky, LU, triangular
+    solves and FFTs (their batch) run sharded over uneven devices and equal one-device
+    `jax.jit` over three steps."""
+    from test_lowering import CLUSTERS, compare
+
+    from hapsynth.ir import lift
+
+    step, args = make()
+    par = hs.parallelize(step, cluster=CLUSTERS["2+6"](), time_limit=1, devices="all",
+                         strategy=strategy)
+    plan = par.plan(*args)
+    _, graph = lift(step, *args)
+    ran = {graph.ops[i].primitive for i, f in enumerate(plan.op_factors) if f >= 0}
+    assert sharded <= ran, sharded - ran
+    ref = jax.jit(step)
+    state, want = args[:2], args[:2]
+    for _ in range(3):
+        want = ref(*want[:2], *args[2:])
+        state = par(*state[:2], *args[2:])
+        compare(hs.gather(state), want)

@@ -156,8 +156,13 @@ class _Builder:
         for eqn in jaxpr.eqns:
             ins = [self.read(env, a) for a in eqn.invars]
             body = _jax.inline_body(eqn)
-            if body is not None:
+            branch = _jax.platform_branch(eqn)
+            if branch is not None:  # known here: a cond on it keeps one branch
+                outs = [Const(np.int32(branch), to_aval(eqn.outvars[0].aval))]
+            elif body is not None:
                 outs = self.inline(body[0], body[1], ins, loop)
+            elif (solve := _jax.linear_solve_body(eqn, ins)) is not None:
+                outs = self.inline(*solve, loop)
             elif loop is None and self.lift_loops and _jax.scan_parts(eqn) is not None:
                 outs = self.scan(eqn, ins, _jax.source_of(eqn))
             elif self.lift_loops and _jax.cond_branches(eqn) is not None:
@@ -202,8 +207,11 @@ class _Builder:
         one program in which every branch's ops are laid out under one plan (both run;
         the one the index names is kept)."""
         index, operands = ins[0], ins[1:]
-        results = [self.inline(jaxpr, consts, operands, loop)
-                   for jaxpr, consts in _jax.cond_branches(eqn)]
+        branches = _jax.cond_branches(eqn)
+        if isinstance(index, Const):  # (a platform's branch, `platform_branch`)
+            k = int(np.clip(np.asarray(index.value), 0, len(branches) - 1))
+            return self.inline(*branches[k], operands, loop)
+        results = [self.inline(jaxpr, consts, operands, loop) for jaxpr, consts in branches]
         outs = []
         for cases, var in zip(zip(*results), eqn.outvars):
             aval = to_aval(var.aval)

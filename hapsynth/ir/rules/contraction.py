@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hapsynth.ir.rules.registry import par, prod, red, register, rule
+from hapsynth.ir.rules.registry import blk, par, prod, red, register, replicated, rule
 
 
 def _dot_cost(eqn):
@@ -77,4 +77,47 @@ def conv_general_dilated(eqn):
     if fgc == 1 and bgc == 1:
         factors.append(par(rs[rhs_spec[0]], [(1, rhs_spec[0])], [(0, out_spec[1])]))
         factors.append(red(ls[lhs_spec[1]], [(0, lhs_spec[1]), (1, rhs_spec[1])]))
+    return rule(*factors)
+
+
+def _ragged_parts(eqn):
+    """(contracting pairs, batch pairs, lhs free dims, rhs free dims, the lhs ragged
+    dim, the rhs group dims) of a `ragged_dot_general`."""
+    dn = eqn.params["ragged_dot_dimension_numbers"]
+    (lc, rc), (lb, rb) = dn.dot_dimension_numbers
+    group = tuple(dn.rhs_group_dimensions)
+    ls, rs = eqn.in_avals[0].shape, eqn.in_avals[1].shape
+    lfree = [d for d in range(len(ls)) if d not in lc and d not in lb]
+    rfree = [d for d in range(len(rs)) if d not in rc and d not in rb and d not in group]
+    return list(zip(lc, rc)), list(zip(lb, rb)), lfree, rfree, dn.lhs_ragged_dimensions[0], group
+
+
+def _ragged_cost(eqn):
+    """Each lhs row meets one group's matrix: 2 flops per lhs element per rhs free
+    element."""
+    _, _, _, rfree, _, _ = _ragged_parts(eqn)
+    rs = eqn.in_avals[1].shape
+    return 2.0 * eqn.in_avals[0].size * prod([rs[d] for d in rfree]), 0.0
+
+
+@register("ragged_dot_general", cost=_ragged_cost, contraction=True)
+def ragged_dot_general(eqn):
+    """A grouped matmul (`lax.ragged_dot`, mixture-of-experts layers): the lhs rows are
+    cut into groups by `group_sizes`, so the ragged dim and the groups are whole; free
+    dims are parallel, as in `dot_general`. Contracted dims are whole too: a partial sum
+    would hold `group_sizes` on one device alone (zeros elsewhere). A ragged
+    non-contracting dim (rows meet their group's rhs) lays the result out as
+    `dot_general` does; a ragged contracting dim (a weight's gradient) puts the groups
+    first."""
+    pairs, batch, lfree, rfree, ragged, group = _ragged_parts(eqn)
+    ls, rs = eqn.in_avals[0].shape, eqn.in_avals[1].shape
+    if batch or (ragged in lfree) != bool(group):
+        return replicated("ragged_dot_general: ragged batch dims, or batch dims")
+    lead = 0 if group else 1  # the groups' result dim, for a ragged contracting dim
+    factors = [blk(eqn.in_avals[2].shape[0], [(2, 0)] + [(1, d) for d in group],
+                   [] if group else [(0, 0)])]
+    factors += [(blk if l == ragged else par)(ls[l], [(0, l)], [(0, lead + i)])
+                for i, l in enumerate(lfree)]
+    factors += [par(rs[r], [(1, r)], [(0, lead + len(lfree) + i)]) for i, r in enumerate(rfree)]
+    factors += [blk(ls[l], [(0, l), (1, r)]) for l, r in pairs]
     return rule(*factors)

@@ -11,6 +11,7 @@ from hapsynth.ir.rules.registry import aligned_dims, elements, par, register, ru
 ONE_FLOP = (
     "mul", "div", "rem", "max", "min", "abs", "sign",
     "floor", "ceil", "round", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor",
+    "eq_to", "lt_to", "le_to",
     "clamp", "is_finite", "square", "shift_left",
     "shift_right_logical", "shift_right_arithmetic", "population_count", "clz", "real",
     "imag", "conj", "complex",

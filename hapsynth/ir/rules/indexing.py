@@ -59,8 +59,9 @@ def _scatter_cost(eqn):
     return (0.0 if eqn.name == "scatter" else float(eqn.in_avals[2].size)), 0.0
 
 
-@register("scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min",
-          "scatter_min", "scatter-max", "scatter_max", "scatter", cost=_scatter_cost)
+@register("scatter-add", "scatter_add", "scatter-sub", "scatter_sub", "scatter-mul",
+          "scatter_mul", "scatter-min", "scatter_min", "scatter-max", "scatter_max", "scatter",
+          cost=_scatter_cost)
 def scatter(eqn):
     """Operands (operand, indices, updates) -> result shaped like operand."""
     dn = eqn.params["dimension_numbers"]

@@ -103,6 +103,16 @@ def stack(eqn):
                   for i, n in enumerate(eqn.in_avals[0].shape)])
 
 
+@register("unstack")
+def unstack(eqn):
+    """`stack`'s inverse (`jnp.unstack`, and `jnp.stack`'s transpose in a backward pass):
+    operand dim `axis` is gone; the others are result dims i, or i - 1 past `axis`, on
+    every result."""
+    axis, k = eqn.params["axis"], len(eqn.out_avals)
+    return rule(*[par(n, [(0, i)], [(j, i - (i > axis)) for j in range(k)])
+                  for i, n in enumerate(eqn.in_avals[0].shape) if i != axis])
+
+
 @register("split")
 def split(eqn):
     return rule(*aligned_dims(eqn, skip={eqn.params["axis"]}))
