@@ -161,6 +161,7 @@ class _Costs:
         self._micro: dict = {}
         self._rows: dict = {}
         self._running: dict = {}
+        self._whole: dict = {}
         # per op: the bytes of its values without the batch's rows in them (state read,
         # or made from it alone; a weight's gradient, a partial sum), which every
         # microbatch touches whole
@@ -228,8 +229,11 @@ class _Costs:
                    for c, f in share.items())
 
     def whole(self, op, island: int) -> float:
-        return max(compute_time(self.graph.ops[op].cost, self.cluster.classes[c])
-                   for c in self.share[island])
+        key = (op, island)
+        if key not in self._whole:
+            self._whole[key] = max(compute_time(self.graph.ops[op].cost, self.cluster.classes[c])
+                                   for c in self.share[island])
+        return self._whole[key]
 
 
 def plan_pipeline(graph: Graph, cluster: Cluster, regions: Regions, layouts, num_state_leaves: int,
@@ -480,79 +484,141 @@ class _Evaluator:
         key = (tuple(order), tuple(cuts))
         if key in self._scans:
             return self._scans[key]
-        g, r, costs = self.g, self.r, self.costs
+        g, r, t = self.g, self.r, self._table
         S = len(order)
-        st = [stage_of(x, cuts) if x >= 0 else -1 for x in r.rank]
+        st = np.where(t.rank >= 0, np.searchsorted(np.asarray(cuts, np.int64), t.rank, "right"), -1)
         owner = [stage_of(x, cuts) for x in r.owner_rank]
-        fwd, bwd, whole = [[] for _ in range(S)], [[] for _ in range(S)], [0.0] * S
+        so = st[t.ops]  # the micro and post ops' stages
+        fwd = [t.counted[(so[t.counted_at] == s) & t.forward[t.counted_at]].tolist()
+               for s in range(S)]
+        bwd = [t.counted[(so[t.counted_at] == s) & ~t.forward[t.counted_at]].tolist()
+               for s in range(S)]
+        nops = [[len(f), len(b)] for f, b in zip(fwd, bwd)]
+        # (an op after the microbatches reading only the step's data, stage -1: the last)
+        post = np.where(so[t.post_at] < 0, S - 1, so[t.post_at])
+        whole = [float(self._post_seconds(order[s])[post == s].sum()) for s in range(S)]
+        sums: list[list] = [[] for _ in range(S)]  # per stage: (forward?, dtype, bytes)
+        for k, items in t.partials:
+            if so[k] >= 0:
+                sums[so[k]] += items
+        needs: list[set] = [set() for _ in range(S)]
+        for k, leaves in t.leaves:
+            if so[k] >= 0:
+                needs[so[k]] |= leaves
         send = np.zeros((S, S, 2))       # bytes of the whole batch a -> b, forward/backward
         once = np.zeros((S, S))          # bytes per step a -> b after the microbatches (sums)
-        resid = [0.0] * S
-        sums: list[list] = [[] for _ in range(S)]  # per stage: (forward?, dtype, bytes)
-        needs: list[set] = [set() for _ in range(S)]
-        nops = [[0, 0] for _ in range(S)]   # per stage: forward and backward ops
-        seen: set = set()
-        crossing: dict = {}              # (value, from stage, to stage) -> phases reading it
+        resid = np.zeros(S)
+        readers: dict = {}  # (a, s, way) -> the phases of s reading what a sends
+        rs, ra = so[t.read_op], st[t.read_from]
+        # a tensor is kept, sent or summed once per stage and phase, however many read it
+        use = np.flatnonzero(rs >= 0)
+        _, first = np.unique((t.read_value[use] * (S + 1) + rs[use]) * 2 + t.read_back[use],
+                             return_index=True)
+        use = use[np.sort(first)]
+        rs, ra, nbytes = rs[use], ra[use], t.read_bytes[use]
+        here = ra == rs
+        np.add.at(resid, rs[here & t.read_made_fwd[use] & t.read_back[use]],
+                  nbytes[here & t.read_made_fwd[use] & t.read_back[use]])
+        away = (ra >= 0) & ~here
+        cross = away & t.read_micro[use]  # (both ends in the microbatches)
+        np.add.at(once, (ra[away & ~cross], rs[away & ~cross]), nbytes[away & ~cross])
+        if cross.any():
+            # a value read by both phases of a later stage crosses once and is kept there
+            # by the forward for its backward, as the lowering sends it
+            x, a, b = t.read_value[use][cross], ra[cross], rs[cross]
+            way = np.where(t.read_made_fwd[use][cross], 0, 1)
+            phase = t.read_fwd[use][cross]
+            _, group, inv = np.unique((x * (S + 1) + a) * (S + 1) + b, return_index=True,
+                                      return_inverse=True)
+            has_f = np.zeros(len(group), bool)
+            has_b = np.zeros(len(group), bool)
+            np.logical_or.at(has_f, inv, phase)
+            np.logical_or.at(has_b, inv, ~phase)
+            nb = nbytes[cross][group]
+            np.add.at(send, (a[group], b[group], way[group]), nb)
+            np.add.at(resid, b[group][has_f & has_b], nb[has_f & has_b])
+            for k, (aa, bb, w) in enumerate(zip(a[group], b[group], way[group])):
+                readers.setdefault((int(aa), int(bb), int(w)), set()).add(
+                    "F" if has_f[k] else "B")
+        acc = [float(sum(x[2] for x in mine)) for mine in sums]
+        held: list[list] = [[] for _ in range(S)]  # per stage: its state leaves
+        for p, o in enumerate(owner):
+            tensor = g.tensors[g.inputs[p]]
+            held[o].append(("state", str(tensor.dtype), tensor.nbytes))
+        out = dict(owner=owner, fwd=fwd, bwd=bwd, whole=whole, send=send, once=once, acc=acc,
+                   readers={k: sorted(v) for k, v in readers.items()},
+                   resid=[float(x) for x in resid], needs=needs, nops=nops,
+                   sums=packed_bytes(sums), state=packed_bytes(held, APART_BYTES), held=held,
+                   sum_items=sums,
+                   added=touched_bytes([[x for x in mine if not x[0]] for mine in sums]))
+        self._scans[key] = out
+        return out
+
+    def _post_seconds(self, island: int) -> np.ndarray:
+        """Seconds of each op after the microbatches (`_table.post`) on the island, whole."""
+        key = ("post", island)
+        if key not in self._scans:
+            self._scans[key] = np.array([self.costs.whole(i, island) for i in self._table.post])
+        return self._scans[key]
+
+    @functools.cached_property
+    def _table(self):
+        """`_ops` as arrays (`scan` reads them for every cut it prices)."""
+        from types import SimpleNamespace
+        ops = self._ops
+        ids = np.array([o[0] for o in ops], np.int64)
+        micro = np.array([o[1] == "micro" for o in ops], bool)
+        counted_at = np.flatnonzero(micro & np.array([o[3] for o in ops], bool))
+        reads = [(k, *x) for k, o in enumerate(ops) for x in o[6]]
+        col = (lambda c, dtype: np.array([x[c] for x in reads], dtype)) if reads else (
+            lambda c, dtype: np.zeros(0, dtype))
+        read_op = col(0, np.int64)
+        return SimpleNamespace(
+            rank=np.array(self.r.rank, np.int64), ops=ids,
+            forward=np.array([o[2] for o in ops], bool), counted_at=counted_at,
+            counted=ids[counted_at], post_at=np.flatnonzero(~micro), post=ids[~micro],
+            partials=[(k, o[4]) for k, o in enumerate(ops) if o[4]],
+            leaves=[(k, o[5]) for k, o in enumerate(ops) if o[5]],
+            read_op=read_op, read_value=col(1, np.int64), read_from=col(2, np.int64),
+            read_micro=col(3, bool) & micro[read_op], read_made_fwd=col(4, bool),
+            read_bytes=col(5, np.float64),
+            read_fwd=np.array([ops[k][2] for k in read_op], bool),
+            read_back=np.array([ops[k][1] == "micro" and not ops[k][2] for k in read_op], bool))
+
+    @functools.cached_property
+    def _ops(self) -> list:
+        """What `scan` reads of each micro and post op, whatever the cut: (op, region,
+        forward?, counted as an op of its own?, its partial sums (forward?, dtype,
+        bytes), the state leaves it needs, and per value it reads from another op that
+        is not a pre op: (value, producer, made by a micro op?, made forward?, bytes))."""
+        g, r = self.g, self.r
+        out = []
         for op in g.ops:
-            i, reg, s = op.id, r.region[op.id], st[op.id]
-            if reg == "micro" and s >= 0:
-                # (a transpose of a gradient XLA folds into the contraction making it:
-                # neither time nor an op of its own)
-                if i not in r.folded:
-                    (fwd if r.forward[i] else bwd)[s].append(i)
-                    nops[s][0 if r.forward[i] else 1] += 1
-                sums[s] += [(r.forward[i], sum_dtype(g.tensors[o].dtype),
-                             sum_bytes(g.tensors[o].dtype, g.tensors[o].nbytes))
-                            for o in op.outputs if o in self.partials]
-            elif reg == "post":
-                whole[s] += costs.whole(i, order[s])
-            if reg in ("pre", "data") or s < 0:
+            i, reg = op.id, r.region[op.id]
+            if reg not in ("micro", "post"):
                 continue
+            # (a transpose of a gradient XLA folds into the contraction making it: neither
+            # time nor an op of its own)
+            partial = [(r.forward[i], sum_dtype(g.tensors[o].dtype),
+                        sum_bytes(g.tensors[o].dtype, g.tensors[o].nbytes))
+                       for o in op.outputs if o in self.partials] if reg == "micro" else []
+            leaves, reads = set(), []
             for x in op.inputs:
                 if x is None:
                     continue
                 if x in self.leaf:
-                    needs[s].add(self.leaf[x])
+                    leaves.add(self.leaf[x])
                     continue
                 j = self.producer.get(x)
                 if j is None:
                     continue
                 if r.region[j] == "pre":
-                    needs[s] |= r.reads[j]
+                    leaves |= r.reads[j]
                     continue
-                a = st[j]
-                use = (x, s, reg == "micro" and not r.forward[i])
-                if use in seen:  # a tensor is kept, sent or summed once, however many read it
-                    continue
-                seen.add(use)
-                if a < 0 or a == s:
-                    if a == s and r.forward[j] and reg == "micro" and not r.forward[i]:
-                        resid[s] += g.tensors[x].nbytes
-                    continue
-                if r.region[j] == "micro" and reg == "micro":
-                    crossing.setdefault((x, a, s), set()).add(r.forward[i])
-                else:
-                    once[a, s] += g.tensors[x].nbytes
-        # a value read by both phases of a later stage crosses once and is kept there by
-        # the forward for its backward, as the lowering sends it
-        readers: dict = {}  # (a, s, way) -> the phases of s reading what a sends
-        for (x, a, s), phases in crossing.items():
-            way = 0 if r.forward[self.producer[x]] else 1
-            send[a, s, way] += g.tensors[x].nbytes
-            if len(phases) == 2:
-                resid[s] += g.tensors[x].nbytes
-            readers.setdefault((a, s, way), set()).add("F" if True in phases else "B")
-        acc = [float(sum(x[2] for x in mine)) for mine in sums]
-        held: list[list] = [[] for _ in range(S)]  # per stage: its state leaves
-        for p, o in enumerate(owner):
-            t = g.tensors[g.inputs[p]]
-            held[o].append(("state", str(t.dtype), t.nbytes))
-        out = dict(owner=owner, fwd=fwd, bwd=bwd, whole=whole, send=send, once=once, acc=acc,
-                   readers={k: sorted(v) for k, v in readers.items()},
-                   resid=resid, needs=needs, nops=nops, sums=packed_bytes(sums),
-                   state=packed_bytes(held, APART_BYTES), held=held, sum_items=sums,
-                   added=touched_bytes([[x for x in mine if not x[0]] for mine in sums]))
-        self._scans[key] = out
+                reads.append((x, j, r.region[j] == "micro", bool(r.forward[j]),
+                              g.tensors[x].nbytes))
+            out.append((i, reg, bool(r.forward[i]) if reg == "micro" else False,
+                        i not in r.folded, partial, frozenset(leaves), tuple(reads)))
         return out
 
     def work(self, order, cuts, M) -> tuple[list, list]:
@@ -560,8 +626,19 @@ class _Evaluator:
         key = (tuple(order), tuple(cuts), M)
         if key not in self._works:
             sc = self.scan(order, cuts)
-            self._works[key] = tuple([sum(self.costs.micro(i, k, M) for i in ops)
+            self._works[key] = tuple([float(self._micro_seconds(k, M)[ops].sum())
                                       for ops, k in zip(sc[way], order)] for way in ("fwd", "bwd"))
+        return self._works[key]
+
+    def _micro_seconds(self, island: int, M: int) -> np.ndarray:
+        """Per op (by id; 0 for those not run per microbatch), one microbatch's seconds
+        on the island (`_Costs.micro`)."""
+        key = ("micro", island, M)
+        if key not in self._works:
+            out = np.zeros(len(self.g.ops))
+            ids = self._table.ops[self._table.counted_at]
+            out[ids] = [self.costs.micro(int(i), island, M) for i in ids]
+            self._works[key] = out
         return self._works[key]
 
     def price(self, order, cuts, M, kind) -> Pipeline | None:

@@ -60,15 +60,18 @@ class Problem:
 
     @classmethod
     def build(cls, graph: Graph, cluster: Cluster, num_state_leaves: int, data_inputs,
-              options: Options = Options()) -> "Problem":
+              options: Options = Options(), batch_only: bool = False) -> "Problem":
+        """`batch_only`: strategies sharding the batch classes and none other, all that
+        pricing data parallelism reads (a search needs the rest)."""
         uf = link_factors(graph, min_units=cluster.num_devices)
         batch = batch_classes(graph, uf, data_inputs)
-        groups = tuple(tuple(g) for g in state_classes(graph, uf, num_state_leaves))
+        groups = () if batch_only else tuple(
+            tuple(g) for g in state_classes(graph, uf, num_state_leaves))
         keep = tuple(dict.fromkeys((*batch, *(c for g in groups for c in g))))
         st = build_structure(graph, num_state_leaves=num_state_leaves,
-                             max_classes=options.max_classes, uf=uf, keep=keep,
-                             roles={c: "the batch" for c in batch})
-        ties = layer_ties(graph, st.strategies) if options.share_layers else None
+                             max_classes=0 if batch_only else options.max_classes, uf=uf,
+                             keep=keep, roles={c: "the batch" for c in batch})
+        ties = layer_ties(graph, st.strategies) if options.share_layers and not batch_only else None
         return cls(graph, cluster, st, batch, groups, ties,
                    min(c.memory for c in cluster.classes))
 
@@ -234,7 +237,7 @@ def data_parallel_plan(graph: Graph, cluster: Cluster, *, num_state_leaves: int,
             raise ValueError(f"shares must be {cluster.num_classes} non-negative fractions "
                              f"summing to 1 (one per class), got {shares!r}")
     clock = Clock()
-    problem = Problem.build(graph, cluster, num_state_leaves, data_inputs)
+    problem = Problem.build(graph, cluster, num_state_leaves, data_inputs, batch_only=True)
     clock.lap("structure")
     base = baselines(problem, data_parallel_choices(problem))
     clock.lap("baselines")
