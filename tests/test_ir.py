@@ -77,6 +77,24 @@ def test_inlined_program_computes_the_same_values():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_linear_solves_and_platform_dependent_code_trace_as_what_runs_here():
+    """`jnp.linalg.solve` (a `custom_linear_solve`) is traced as the solve it runs, and
+    `lax.platform_dependent` (as in `jnp.diagonal`) as this platform's branch alone."""
+    def step(a, b):
+        here = jax.lax.platform_dependent(b, cpu=jnp.cos, cuda=jnp.tanh, rocm=jnp.tanh,
+                                          default=jnp.sin)  # (the tests run on CPU devices)
+        x = jnp.linalg.solve(a + 4 * jnp.eye(4), here)
+        return jnp.diagonal(a) + x.sum(-1)
+
+    args = (jax.random.normal(jax.random.key(0), (4, 4)), jax.random.normal(jax.random.key(1), (4, 3)))
+    prog = trace(step, *args)
+    names_ = [e.name for e in prog.eqns]
+    assert not {"custom_linear_solve", "platform_index", "cond"} & set(names_), names_
+    assert "cos" in names_ and not {"sin", "tanh"} & set(names_), names_  # one branch
+    env = evaluate(prog, jax.tree.leaves(args))
+    np.testing.assert_allclose(env[prog.outputs[0]], jax.jit(step)(*args), rtol=1e-5, atol=1e-6)
+
+
 def test_dead_code_is_removed():
     def step(x):
         _unused = jnp.exp(x) @ x.T  # noqa: F841  (traced, then dead)
