@@ -79,6 +79,16 @@ def conv_step():
     return step, (params, tx.init(params), x, y)
 
 
+def optax_step(loss_fn, tx):
+    """The usual step around `loss_fn(params, *batch)`: its gradient, an Optax update."""
+    def step(params, opt_state, *batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
 def mlp_custom_loss_step():
     keys = jax.random.split(jax.random.key(0), 4)
     params = {"enc": {"w": jax.random.normal(keys[0], (32, 64)) * 0.1, "b": jnp.zeros(64)},
@@ -93,12 +103,7 @@ def mlp_custom_loss_step():
         huber = jnp.where(jnp.abs(err) < 1, 0.5 * err ** 2, jnp.abs(err) - 0.5).mean()
         return huber + 1e-4 * sum(jnp.sum(v["w"] ** 2) for v in p.values())
 
-    def step(params, opt_state, x, t):
-        loss, grads = jax.value_and_grad(loss_fn)(params, x, t)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    return step, (params, tx.init(params), x, t)
+    return optax_step(loss_fn, tx), (params, tx.init(params), x, t)
 
 
 def moe_step():
@@ -125,12 +130,7 @@ def moe_step():
         z = (x + gate * moved) @ p["out"]
         return optax.softmax_cross_entropy_with_integer_labels(z, y).mean()
 
-    def step(params, opt_state, x, y):
-        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    return step, (params, tx.init(params), x, y)
+    return optax_step(loss_fn, tx), (params, tx.init(params), x, y)
 
 
 def linalg_step():
@@ -155,12 +155,7 @@ def linalg_step():
         pred = (z * u) @ p["w"]
         return jnp.mean(pred[:, 0] ** 2) + 0.01 * jnp.mean(logdet)
 
-    def step(params, opt_state, x, t):
-        loss, grads = jax.value_and_grad(loss_fn)(params, x, t)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    return step, (params, tx.init(params), x, t)
+    return optax_step(loss_fn, tx), (params, tx.init(params), x, t)
 
 
 @pytest.mark.parametrize("make", [transformer_step, conv_step, mlp_custom_loss_step,
