@@ -203,18 +203,7 @@ def plan_program(prog, cluster, *, num_state_leaves: int, remat="auto",
     faster devices hold the step alone and prices faster (`faster_recomputed`)."""
     check_remat(remat)
 
-    lifted: dict = {}
-    merges: dict = {}
-
-    def lift(p):
-        if id(p) not in lifted:
-            lifted[id(p)] = p, lift_program(p)  # (the program kept: its id stays its own)
-        return lifted[id(p)][1]
-
-    def merge(p):
-        if id(p) not in merges:
-            merges[id(p)] = p, merge_recomputed(p)
-        return merges[id(p)][1]
+    lift, merge = _by_program(lift_program), _by_program(merge_recomputed)
 
     def plan_of(p, **override) -> Plan:
         graph = lift(p)
@@ -236,7 +225,7 @@ def plan_program(prog, cluster, *, num_state_leaves: int, remat="auto",
 
     if remat is False:
         plan = plan_of(prog)
-        return plan, program_of(plan, prog)
+        return plan, program_of(plan, prog, merge)
     memories = [cluster.device_class(i).memory for i in range(cluster.num_devices)]
     hopeless = cannot_fit(prog, memories)  # no plan holds it as written: skip that try
     if not hopeless:
@@ -263,7 +252,7 @@ def plan_program(prog, cluster, *, num_state_leaves: int, remat="auto",
                     other = None
                 plan = sooner(plan, other, kw.get("pipeline", False),
                               kw.get("min_gain", Options.min_gain))
-            return plan, program_of(plan, prog)
+            return plan, program_of(plan, prog, merge)
     # as little recomputation as the memory may need (data parallelism holds the state
     # whole on every device), then all of it
     state = sum(prog.avals[t].nbytes for t in prog.inputs[:num_state_leaves])
@@ -290,8 +279,8 @@ def plan_program(prog, cluster, *, num_state_leaves: int, remat="auto",
             if every < plan.predicted_step_time * (1 - kw.get("min_gain", Options.min_gain)):
                 other = replace(plan_of(full), remat=describe(prog, full, None))
                 if other.predicted_step_time < plan.predicted_step_time:
-                    return other, program_of(other, prog)  # (data parallelism fits there: so does this plan)
-        return plan, program_of(plan, prog)
+                    return other, program_of(other, prog, merge)  # (data parallelism fits there: so does this plan)
+        return plan, program_of(plan, prog, merge)
     raise InfeasibleMemory(f"{unfit} (with activations recomputed in the backward pass)")
 
 
@@ -398,15 +387,28 @@ def undone_program(prog, num_state_leaves: int | None, merge=merge_recomputed):
     return None if merged is None else (prog, merged)
 
 
-def program_of(plan: Plan, prog):
-    """The program `plan` runs: `prog`, rewritten the way it was when planned."""
+def _by_program(fn):
+    """`fn` of a program, computed once per program object (kept alive with its result,
+    so that its id stays its own)."""
+    memo: dict = {}
+
+    def cached(p):
+        if id(p) not in memo:
+            memo[id(p)] = p, fn(p)
+        return memo[id(p)][1]
+    return cached
+
+
+def program_of(plan: Plan, prog, merge=merge_recomputed):
+    """The program `plan` runs: `prog`, rewritten the way it was when planned (`merge`:
+    `merge_recomputed`, or a cache of it)."""
     if plan.remat and plan.remat.get("undone"):
-        prog = undone_program(prog, plan.remat.get("unrolled"))[1]
+        prog = undone_program(prog, plan.remat.get("unrolled"), merge)[1]
     elif plan.remat:
         prog = rematerialize(prog, plan.remat["target"])
     unrolled = plan.pipeline.get("unrolled") if plan.pipeline else None
     prog = prog if unrolled is None else unroll(prog, unrolled)
-    return merge_recomputed(prog) if plan.pipeline and plan.pipeline.get("merged") else prog
+    return merge(prog) if plan.pipeline and plan.pipeline.get("merged") else prog
 
 
 def donated_leaves(args, donate_argnums) -> list[int]:

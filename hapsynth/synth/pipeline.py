@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import types
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -467,6 +468,8 @@ class _Evaluator:
         # the partial sums each microbatch adds to: summed in the island after the last one
         self._scans: dict = {}
         self._works: dict = {}
+        self._post: dict = {}   # island -> seconds of each op after the microbatches
+        self._micro: dict = {}  # (island, M) -> seconds of each op per microbatch
         self.op_overhead = max(OP_OVERHEAD.get(c.type, OP_OVERHEAD_GPU) for c in cluster.classes)
         # (those read once a step, by the ops after the microbatches or as outputs, as the
         # lowering accumulates them; not a gradient a microbatch's own ops rearrange first)
@@ -489,10 +492,9 @@ class _Evaluator:
         st = np.where(t.rank >= 0, np.searchsorted(np.asarray(cuts, np.int64), t.rank, "right"), -1)
         owner = [stage_of(x, cuts) for x in r.owner_rank]
         so = st[t.ops]  # the micro and post ops' stages
-        fwd = [t.counted[(so[t.counted_at] == s) & t.forward[t.counted_at]].tolist()
-               for s in range(S)]
-        bwd = [t.counted[(so[t.counted_at] == s) & ~t.forward[t.counted_at]].tolist()
-               for s in range(S)]
+        sc, forward = so[t.counted_at], t.forward[t.counted_at]
+        fwd = [t.counted[(sc == s) & forward].tolist() for s in range(S)]
+        bwd = [t.counted[(sc == s) & ~forward].tolist() for s in range(S)]
         nops = [[len(f), len(b)] for f, b in zip(fwd, bwd)]
         # (an op after the microbatches reading only the step's data, stage -1: the last)
         post = np.where(so[t.post_at] < 0, S - 1, so[t.post_at])
@@ -556,15 +558,13 @@ class _Evaluator:
 
     def _post_seconds(self, island: int) -> np.ndarray:
         """Seconds of each op after the microbatches (`_table.post`) on the island, whole."""
-        key = ("post", island)
-        if key not in self._scans:
-            self._scans[key] = np.array([self.costs.whole(i, island) for i in self._table.post])
-        return self._scans[key]
+        if island not in self._post:
+            self._post[island] = np.array([self.costs.whole(i, island) for i in self._table.post])
+        return self._post[island]
 
     @functools.cached_property
     def _table(self):
         """`_ops` as arrays (`scan` reads them for every cut it prices)."""
-        from types import SimpleNamespace
         ops = self._ops
         ids = np.array([o[0] for o in ops], np.int64)
         micro = np.array([o[1] == "micro" for o in ops], bool)
@@ -573,7 +573,7 @@ class _Evaluator:
         col = (lambda c, dtype: np.array([x[c] for x in reads], dtype)) if reads else (
             lambda c, dtype: np.zeros(0, dtype))
         read_op = col(0, np.int64)
-        return SimpleNamespace(
+        return types.SimpleNamespace(
             rank=np.array(self.r.rank, np.int64), ops=ids,
             forward=np.array([o[2] for o in ops], bool), counted_at=counted_at,
             counted=ids[counted_at], post_at=np.flatnonzero(~micro), post=ids[~micro],
@@ -633,13 +633,13 @@ class _Evaluator:
     def _micro_seconds(self, island: int, M: int) -> np.ndarray:
         """Per op (by id; 0 for those not run per microbatch), one microbatch's seconds
         on the island (`_Costs.micro`)."""
-        key = ("micro", island, M)
-        if key not in self._works:
+        key = (island, M)
+        if key not in self._micro:
             out = np.zeros(len(self.g.ops))
-            ids = self._table.ops[self._table.counted_at]
+            ids = self._table.counted
             out[ids] = [self.costs.micro(int(i), island, M) for i in ids]
-            self._works[key] = out
-        return self._works[key]
+            self._micro[key] = out
+        return self._micro[key]
 
     def price(self, order, cuts, M, kind) -> Pipeline | None:
         """`order` may name a group twice (a V shape: stages on one group run one work at a
