@@ -138,9 +138,7 @@ class FreeRunning(StageWiring):
             """The work on a device holding `rows` rows; what it keeps and sends padded to
             the stage's most rows."""
             def branch(m, state, data, received, kept, acc):
-                first = jax.lax.axis_index(DATA) == 0  # a partial sum arrives on one device
-                arrived = {t: jnp.where(first, v, jnp.zeros_like(v)) if lay[t].kind == "P"
-                           else trim(v, lay[t], self._local(t, rows)) for t, v in received.items()}
+                arrived = {t: trim(v, lay[t], self._local(t, rows)) for t, v in received.items()}
                 known = {**state, **data, **arrived,
                          **{t: trim(v[0], lay[t], self._local(t, rows)) for t, v in kept.items()}}
                 env: dict = {}
@@ -170,11 +168,9 @@ class FreeRunning(StageWiring):
 
     def _leave(self, s, t, v):
         """Value t as stage s's devices hold it (padded to the most rows) as it leaves:
-        a partial sum summed; sharded over devices of uneven rows, gathered whole (the
-        devices' rows in order)."""
+        sharded over devices of uneven rows, gathered whole (the devices' rows in order).
+        No partial sum crosses (`synth.stages.analyse` keeps its readers with it)."""
         lay = self.plan.tensor_layouts[t]
-        if lay.kind == "P":
-            return jax.lax.psum(v, DATA)
         if lay.kind != "S" or self.even[s]:
             return v
         chunks = jax.lax.all_gather(v, DATA)
@@ -184,7 +180,7 @@ class FreeRunning(StageWiring):
     def _crossing(self, t, sender=None) -> PS:
         """How value t lies as it crosses: split on its batch dimension over a stage's
         devices where sharded (each device its own rows, so that a stage of other devices
-        takes its rows from it), else whole (a partial sum summed first). Leaving a
+        takes its rows from it), else whole. Leaving a
         `sender` of uneven rows, sharded values are whole (`_leave`)."""
         lay = self.plan.tensor_layouts[t]
         if lay.kind == "S" and (sender is None or self.even[sender]):

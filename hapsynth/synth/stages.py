@@ -263,6 +263,12 @@ def analyse(graph: Graph, layouts, op_inputs, num_state_leaves: int) -> Regions:
             owner[i] = rank[producer[o]] if o in producer else 0
     rank = [r if r >= 0 or region[i] in ("pre", "data") or input_only[i] else 0
             for i, r in enumerate(rank)]
+    for op in ops:  # a partial sum never crosses a cut: its readers share its rank
+        for x in op.inputs:
+            if region[op.id] == "micro" and x in producer and layouts[x].kind == "P" \
+                    and region[producer[x]] == "micro" and rank[producer[x]] != rank[op.id]:
+                raise NotPipelineable(f"op {op.id} ({op.primitive}) reads the per-microbatch "
+                                      f"partial sum t{x} away from where it is made")
     owner = [max(0, r) for r in owner]
     return Regions(tuple(region), tuple(forward), tuple(rank), tuple(owner), batch,
                    tuple(frozenset(p) for p in params_of), frozenset(moved))
