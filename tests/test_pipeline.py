@@ -1556,3 +1556,34 @@ def test_the_v_search_prices_each_island_pair_s_best_cuts_under_every_schedule()
     assert witness.fits and witness.ops[1] > 0
     assert ev.price(vee, (1228, 1846), 8, "1f1b").step > 1.15 * witness.step
     assert found.fits and found.step <= witness.step + 1e-12
+
+
+@pytest.mark.parametrize("free", [False, True])
+def test_the_search_s_floor_is_below_every_price(free):
+    """The bound the search skips candidates by (`_Evaluator.floor`: per group of devices,
+    its stages' microbatches and their ops after them) is below the step priced under
+    every schedule, straight and V-shaped, in the tick loop and run free."""
+    import itertools
+
+    from hapsynth.synth import pipeline as P
+    step, args = get("gpt", "tiny")
+    cluster = four_islands()
+    graph, dp, r, n = _regions(step, args, cluster)
+    parts, _ = stage_parts(cluster)
+    costs = P._Costs(graph, cluster, r, P.stage_groups(cluster)[0], dp.tensor_layouts)
+    ev = P._Evaluator(graph, cluster, r, n, costs, dp.tensor_layouts, free)
+    points = r.cut_points()
+    rng = np.random.default_rng(0)
+    ratios = []
+    for order in [(0, 1), (1, 0, 2), (0, 1, 0), (2, 3, 2), (3, 2, 1, 0)]:
+        combos = list(itertools.combinations(points, len(order) - 1))
+        for k in rng.choice(len(combos), size=min(6, len(combos)), replace=False):
+            for M in (2, 4):
+                floor = ev.floor(order, combos[k], M)
+                for kind in SCHEDULES:
+                    p = ev.price(order, combos[k], M, kind)
+                    if p is not None:
+                        assert floor <= p.step, (order, combos[k], M, kind)
+                        ratios.append(floor / p.step)
+    assert len(ratios) > 100 and min(ratios) > 0
+    assert max(ratios) > 0.5  # (where work, not the links, sets the step: a tight bound)

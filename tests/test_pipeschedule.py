@@ -133,3 +133,41 @@ def test_stages_on_one_group_of_devices_run_one_work_at_a_time(kind):
     assert wire.makespan >= 2 * 5 * 3.0
     with pytest.raises(ValueError, match="place"):
         schedule(kind, fwd, bwd, 5, send, back, place=(0, 2, 0))
+
+
+@pytest.mark.parametrize("free", [True, False])
+def test_the_depth_search_finds_what_trying_every_depth_finds(free):
+    """hetero-1F1B skips depths that would run a schedule already run, and (pricing the
+    makespan) gives a run up once it passes the best: the schedule it returns is the one
+    trying every depth in full returns (random stages, links, caps and V shapes)."""
+    from itertools import product
+
+    from hapsynth.synth import pipeschedule as ps
+
+    rng = random.Random(7)
+    for trial in range(40):
+        S, M = rng.choice([(2, 4), (3, 6), (4, 8), (3, 3)])
+        fwd = [rng.uniform(0.5, 2.0) for _ in range(S)]
+        bwd = [2 * f * rng.uniform(0.8, 1.2) for f in fwd]
+        send = [rng.choice([0.0, 0.3, 1.5]) for _ in range(S - 1)]
+        back = [rng.choice([0.0, 0.3, 1.5]) for _ in range(S - 1)]
+        cap = [rng.choice([1, 2, M]) for _ in range(S)] if trial % 3 == 0 else None
+        place = (0, 1, 0) if S == 3 and trial % 2 else None
+
+        def cost(x):  # a cost other than the makespan: no run is given up early
+            return x.makespan + 0.01 * sum(x.in_flight)
+
+        got = schedule("hetero-1f1b", fwd, bwd, M, send, back, memory_cap=cap,
+                       cost=None if free else cost, place=place)
+        times = (tuple(fwd), tuple(bwd), tuple(send), tuple(back), {}, place or ())
+        base = [min(S - s, M) for s in range(S)]
+        top = [M if cap is None else max(1, min(M, cap[s])) for s in range(S)]
+        price = (lambda x: x.makespan) if free else cost
+        runs = [ps._run("hetero-1f1b", times, M, depths=d) for d in product(
+            *[sorted({min(c, b + k) for k in (0, 1, 2, 4)}) for b, c in zip(base, top)])]
+        if all(b <= c for b, c in zip(base, top)):
+            runs.insert(0, ps._run("hetero-1f1b", times, M,
+                                   orders=[ps._one_f_one_b(S, s, M) for s in range(S)]))
+        want = min(price(r) for r in runs)
+        assert price(got) == pytest.approx(want, rel=1e-12)
+        assert got.slots in {r.slots for r in runs if price(r) <= want * (1 + 1e-12)}

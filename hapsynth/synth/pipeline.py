@@ -359,8 +359,8 @@ def plan_vshape(graph: Graph, cluster: Cluster, regions: Regions, layouts,
     spans = _spans(costs.ranked[1], combos)
     # each direction of the link carries both boundaries' bytes (one forward, one back)
     crossing = _crossing(graph, regions, points)[np.searchsorted(points, combos)].sum(axis=1)
-    first, best = [], []  # every cut's price under plain 1F1B; the best few of each pair
-    # and microbatch count, and of all, under every schedule
+    first, best, top = [], [], []  # every cut's price under plain 1F1B; the best few of
+    # each pair and microbatch count, and of all, under every schedule
     for o, v in itertools.permutations(range(len(parts)), 2):
         if island[o] == island[v]:
             continue
@@ -373,11 +373,19 @@ def plan_vshape(graph: Graph, cluster: Cluster, regions: Regions, layouts,
             mine = []
             for k in np.argsort(np.maximum(busiest, crossing / beta), kind="stable")[:keep]:
                 cuts = tuple(int(c) for c in combos[k])
+                # (a cut that prices above the `few` best of this pair and the dozen best
+                # of all, each fitting, is picked by neither)
+                if len(mine) >= few and len(top) + len(mine) >= 12:
+                    mine.sort()
+                    worst = max(mine[few - 1][0], sorted(top + mine)[11][0])
+                    if not worst[0] and evaluator.floor((o, v, o), cuts, M) > worst[1]:
+                        continue
                 p = evaluator.price((o, v, o), cuts, M, "1f1b")
                 if p is not None:
                     mine.append(((not p.fits, p.step), (o, v, o), cuts, M))
             first += mine
             best += sorted(mine)[:few]
+            top = sorted(first)[:12]
     picked = [x[1:] for x in sorted(first)[:12] + best]
     return _cheapest(evaluator, list(dict.fromkeys(picked)), kinds, whole_islands)
 
@@ -395,6 +403,8 @@ def _cheapest(evaluator, candidates, kinds, whole_islands: bool = False) -> Pipe
     first), with its step under every schedule (`whole_islands`: what its groups are)."""
     best = None
     for order, cuts, M in candidates:
+        if best is not None and best.fits and evaluator.floor(order, cuts, M) > best.step:
+            continue  # (it could not beat the best so far, fitting or not)
         for kind in kinds:
             p = evaluator.price(order, cuts, M, kind)
             if p is not None and (best is None or (not p.fits, p.step) < (not best.fits, best.step)):
@@ -468,6 +478,8 @@ class _Evaluator:
         # the partial sums each microbatch adds to: summed in the island after the last one
         self._scans: dict = {}
         self._works: dict = {}
+        self._phase: dict = {}
+        self._groups: dict = {}
         self._post: dict = {}   # island -> seconds of each op after the microbatches
         self._micro: dict = {}  # (island, M) -> seconds of each op per microbatch
         self.op_overhead = max(OP_OVERHEAD.get(c.type, OP_OVERHEAD_GPU) for c in cluster.classes)
@@ -641,6 +653,45 @@ class _Evaluator:
             self._micro[key] = out
         return self._micro[key]
 
+    def _phases(self, order, cuts, M) -> tuple[list, list]:
+        """Per stage, one microbatch's forward and backward seconds as priced: its ops,
+        each op's overhead, and a backward's adds into the sums (cached)."""
+        key = (tuple(order), tuple(cuts), M)
+        if key not in self._phase:
+            sc, cluster = self.scan(order, cuts), self.cluster
+            extra = self.op_overhead * (M - 1) / M  # per op and microbatch, see OP_OVERHEAD
+            fwd, bwd = self.work(order, cuts, M)
+            fwd = [x + n * extra for x, (n, _) in zip(fwd, sc["nops"])]
+            # a backward adds its gradients to the sums: each buffer it writes into read
+            # twice and written once, at the stage's slowest memory (M of them a step)
+            add = [3 * n / min(cluster.device_class(d).mem_bandwidth for d in devs)
+                   for n, devs in zip(sc["added"], (self.costs.islands[k] for k in order))]
+            bwd = [x + n * extra + a for x, (_, n), a in zip(bwd, sc["nops"], add)]
+            self._phase[key] = (fwd, bwd)
+        return self._phase[key]
+
+    def _grouped(self, order, cuts, members) -> tuple[int, int]:
+        """The bytes of the state and of the sums where groups of devices run `members`
+        (their stages), each group holding its stages' (cached)."""
+        key = (tuple(order), tuple(cuts))
+        if key not in self._groups:
+            sc = self.scan(order, cuts)
+            self._groups[key] = (
+                packed_bytes([[x for s in m for x in sc["held"][s]] for m in members],
+                             APART_BYTES),
+                packed_bytes([[x for s in m for x in sc["sum_items"][s]] for m in members]))
+        return self._groups[key]
+
+    def floor(self, order, cuts, M) -> float:
+        """A lower bound on `price(order, cuts, M, kind).step` under every schedule: per
+        group of devices (a V's ends share one), its stages' microbatches one after
+        another and then their ops after the microbatches."""
+        fwd, bwd = self._phases(order, cuts, M)
+        whole, busy = self.scan(order, cuts)["whole"], {}
+        for s, k in enumerate(order):
+            busy[k] = busy.get(k, 0.0) + M * (fwd[s] + bwd[s]) + whole[s]
+        return max(busy.values()) * (1 - 1e-9)  # (the simulation sums in another order)
+
     def price(self, order, cuts, M, kind) -> Pipeline | None:
         """`order` may name a group twice (a V shape: stages on one group run one work at a
         time, and nothing crosses between them); the planner's orders do not, and the
@@ -655,14 +706,7 @@ class _Evaluator:
         sc = self.scan(order, cuts)
         owner, whole, once, acc, needs = (sc[k] for k in ("owner", "whole", "once", "acc", "needs"))
         g = self.g
-        extra = self.op_overhead * (M - 1) / M  # per op and microbatch, see OP_OVERHEAD
-        fwd, bwd = self.work(order, cuts, M)
-        fwd = [x + n * extra for x, (n, _) in zip(fwd, sc["nops"])]
-        # a backward adds its gradients to the sums: each buffer it writes into read twice
-        # and written once, at the stage's slowest memory (unchanged by M: M of them a step)
-        add = [3 * n / min(cluster.device_class(d).mem_bandwidth for d in devs)
-               for n, devs in zip(sc["added"], islands)]
-        bwd = [x + n * extra + a for x, (_, n), a in zip(bwd, sc["nops"], add)]
+        fwd, bwd = self._phases(order, cuts, M)
         send = sc["send"] / M
         resid = [x / M for x in sc["resid"]]
         rows = tuple(rows_of(cluster, devs, r.batch // M) for devs in islands)
@@ -725,9 +769,7 @@ class _Evaluator:
         per_micro = [resid[s] * share[s] for s in range(S)]  # one microbatch's residuals, per device
         state, sums = sc["state"], sc["sums"]
         if place:  # a group holds the state and sums of every stage on it
-            state = packed_bytes([[x for s in m for x in sc["held"][s]] for m in members],
-                                 APART_BYTES)
-            sums = packed_bytes([[x for s in m for x in sc["sum_items"][s]] for m in members])
+            state, sums = self._grouped(order, cuts, members)
         fixed = state + max(copied_bytes) + sums + self.data_bytes
         keep = max(per_micro)
         # (a stage keeping nothing takes no slot of the pool, however deep its warm-up)
@@ -743,7 +785,8 @@ class _Evaluator:
                 # alone: its mailboxes and wires grow with its depths too)
                 try:
                     got = run(schedule(kind, fwd, bwd, M, fw, bw, memory_cap=caps,
-                                       cost=lambda x, run=run: run(x).makespan,
+                                       cost=None if self.free_running else (
+                                           lambda x, run=run: run(x).makespan),
                                        ready=ready if self.free_running else None,
                                        place=place or None))
                 except RuntimeError:

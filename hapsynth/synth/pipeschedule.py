@@ -118,7 +118,7 @@ def schedule(kind: str, forward, backward, micros: int, send=None, send_back=Non
     if kind == "1f1b":
         return _run(kind, times, micros, orders=[_one_f_one_b(S, s, micros) for s in range(S)])
     if kind == "hetero-1f1b":
-        return _adaptive(times, micros, memory_cap, cost or (lambda x: x.makespan))
+        return _adaptive(times, micros, memory_cap, cost)
     raise ValueError(f"unknown schedule {kind!r}; one of {', '.join(KINDS)}")
 
 
@@ -137,7 +137,8 @@ def _one_f_one_b(S: int, s: int, M: int) -> list[tuple[str, int]]:
 
 def _adaptive(times, micros: int, memory_cap, cost) -> PipeSchedule:
     """hetero-1f1b: the best warm-up depths per stage, from 1F1B's upward (a small
-    search: each stage may keep 1, 2 or 4 more microbatches in flight, within its cap)."""
+    search: each stage may keep 1, 2 or 4 more microbatches in flight, within its cap).
+    `cost` None: the makespan (a run is then given up once it runs past the best)."""
     S = len(times[0])
     base = [min(S - s, micros) for s in range(S)]
     cap = [micros if memory_cap is None else max(1, min(micros, int(memory_cap[s])))
@@ -149,10 +150,20 @@ def _adaptive(times, micros: int, memory_cap, cost) -> PipeSchedule:
                      orders=[_one_f_one_b(S, s, micros) for s in range(S)])
         best = PipeSchedule(plain.kind, S, micros, plain.slots, plain.makespan, plain.in_flight,
                             tuple(base), place=plain.place)
+    makespan = cost is None
+    cost = cost or (lambda x: x.makespan)
     best_cost = None if best is None else cost(best)
+    boxes: list = []  # per run so far, the depths that would have run it alike
     for depths in product(*choices) if _count(choices) <= 729 else [tuple(
             min(c, b + 2) for b, c in zip(base, cap))]:
-        run = _run("hetero-1f1b", times, micros, depths=depths)
+        if any(all(lo <= d <= hi for d, (lo, hi) in zip(depths, box)) for box in boxes):
+            continue  # (the same run again: no better)
+        box = [[1, micros] for _ in range(S)]
+        boxes.append(box)
+        run = _run("hetero-1f1b", times, micros, depths=depths, box=box,
+                   stop=best_cost * (1 - 1e-12) if makespan and best is not None else None)
+        if run is None:
+            continue
         c = cost(run)
         if best is None or c < best_cost * (1 - 1e-12):
             best, best_cost = run, c
@@ -173,78 +184,78 @@ def arrived(ready, S: int) -> list[float]:
             for s in range(S)]
 
 
-def _run(kind, times, M: int, orders=None, depths=None) -> PipeSchedule:
-    """Simulate: fixed per-stage `orders`, or (with `depths`) the ready-first rule."""
+def _run(kind, times, M: int, orders=None, depths=None, stop=None,
+         box=None) -> PipeSchedule | None:
+    """Simulate: fixed per-stage `orders`, or (with `depths`) the ready-first rule; None
+    once a work would end at `stop` or later. `box[s]`, narrowed to the depths of stage s
+    under which every test of its depth goes as it went (so the same run). Each step runs
+    the earliest work any stage may start next, a backward before a forward (on a group
+    running several stages too) and a later stage's forward before an earlier one's."""
     fwd, bwd, send, send_back, ready_at, place = times
     S = len(fwd)
     group = place or tuple(range(S))
-    done: dict = {}                     # (phase, stage, micro) -> end time
-    arrive: dict = {}                   # (phase, stage, micro) -> when its input is there
-
-    def way(phase, s):  # boundary s's direction of its link: one transfer at a time on it
-        return (group[s], group[s + 1]) if phase == "F" else (group[s + 1], group[s])
-
+    # per boundary, each direction of its link (one transfer at a time on it)
+    way = {"F": [(group[s], group[s + 1]) for s in range(S - 1)],
+           "B": [(group[s + 1], group[s]) for s in range(S - 1)]}
     link_free: dict = {}
     for (phase, s), t in ready_at.items():
-        link_free[way(phase, s)] = max(link_free.get(way(phase, s), 0.0), t)
+        w = way[phase][s]
+        link_free[w] = max(link_free.get(w, 0.0), t)
     first = arrived(ready_at, S)
     free = [0.0] * (max(group) + 1)     # per group of devices: when its last work ends
     nxt = [0] * S                        # position in orders / next forward micro
-    back = [0] * S                       # next backward micro (adaptive)
+    back = [0] * S                       # next backward micro (with depths)
     live = [0] * S
     peak = [0] * S
-    slots = []
+    into = {"F": [[None] * M for _ in range(S)],  # when a work's input is there
+            "B": [[None] * M for _ in range(S)]}
+    into["F"][0] = [0.0] * M
+    slots: list = []
     total = 2 * M * S
 
-    def ready(phase, s, m):
-        if phase == "F":
-            return 0.0 if s == 0 else arrive.get(("F", s, m))
-        if s == S - 1:
-            return done.get(("F", s, m))
-        return arrive.get(("B", s, m))
-
     while len(slots) < total:
-        # (start, forward?, later stage first for forwards, preference, stage, phase, micro):
-        # the earliest, a backward before a forward (on a group running several stages too)
-        cands = []
+        best = None
         for s in range(S):
-            for pref, (phase, m) in enumerate(_next_work(s, orders, depths, nxt, back, live, M)):
-                r = ready(phase, s, m)
-                if r is not None:
-                    cands.append((max(free[group[s]], first[s], r), phase == "F",
-                                  -s if phase == "F" else s, pref, s, phase, m))
-        if not cands:
+            if orders is not None:
+                works = (orders[s][nxt[s]],) if nxt[s] < len(orders[s]) else ()
+            else:
+                works = [("B", back[s])] if back[s] < nxt[s] else []
+                if nxt[s] < M:
+                    if live[s] < depths[s]:
+                        works.append(("F", nxt[s]))
+                        if box is not None:
+                            box[s][0] = max(box[s][0], live[s] + 1)
+                    elif box is not None:
+                        box[s][1] = min(box[s][1], live[s])
+            at = max(free[group[s]], first[s])
+            for pref, (phase, m) in enumerate(works):
+                r = into[phase][s][m]
+                if r is None:
+                    continue
+                key = (max(at, r), phase == "F", -s if phase == "F" else s, pref)
+                if best is None or key < best[0]:
+                    best = (key, s, phase, m)
+        if best is None:
             raise RuntimeError("pipeline schedule deadlocked")  # a bad fixed order
-        start, _, _, _, s, phase, m = min(cands)
+        (start, *_), s, phase, m = best
         end = start + (fwd[s] if phase == "F" else bwd[s])
-        slots.append(Slot(s, m, phase, start, end))
-        done[(phase, s, m)] = end
+        if stop is not None and end >= stop:
+            return None
+        slots.append((s, m, phase, start, end))
         free[group[s]] = end
-        if orders is not None:
-            nxt[s] += 1
-        elif phase == "F":
+        if orders is not None or phase == "F":
             nxt[s] += 1
         else:
             back[s] += 1
         live[s] += 1 if phase == "F" else -1
         peak[s] = max(peak[s], live[s])
-        if phase == "F" and s < S - 1:
-            t0 = max(end, link_free.get(way("F", s), 0.0))
-            link_free[way("F", s)] = arrive[("F", s + 1, m)] = t0 + send[s]
-        if phase == "B" and s > 0:
-            t0 = max(end, link_free.get(way("B", s - 1), 0.0))
-            link_free[way("B", s - 1)] = arrive[("B", s - 1, m)] = t0 + send_back[s - 1]
-    return PipeSchedule(kind, S, M, tuple(slots), max(s.end for s in slots), tuple(peak),
-                        tuple(depths) if depths is not None else (), place=place)
-
-
-def _next_work(s, orders, depths, nxt, back, live, M):
-    """The work stage s may run next, in preference order."""
-    if orders is not None:
-        return [orders[s][nxt[s]]] if nxt[s] < len(orders[s]) else []
-    out = []
-    if back[s] < nxt[s]:
-        out.append(("B", back[s]))          # backward first: it frees an activation
-    if nxt[s] < M and live[s] < depths[s]:
-        out.append(("F", nxt[s]))
-    return out
+        if phase == "F" and s == S - 1:
+            into["B"][s][m] = end
+        elif phase == "F":
+            t0 = max(end, link_free.get(way["F"][s], 0.0))
+            link_free[way["F"][s]] = into["F"][s + 1][m] = t0 + send[s]
+        elif s > 0:
+            t0 = max(end, link_free.get(way["B"][s - 1], 0.0))
+            link_free[way["B"][s - 1]] = into["B"][s - 1][m] = t0 + send_back[s - 1]
+    return PipeSchedule(kind, S, M, tuple(Slot(*x) for x in slots), max(x[4] for x in slots),
+                        tuple(peak), tuple(depths) if depths is not None else (), place=place)
