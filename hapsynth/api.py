@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import replace
 
 import jax
@@ -20,6 +21,7 @@ from hapsynth.lower.freerun import FreeRunning
 from hapsynth.lower.pipeline import Pipelined
 from hapsynth.lower.program import Lowered
 from hapsynth.lower.values import Sharded
+from hapsynth.plancache import PlanCache
 from hapsynth.synth.plan import Plan
 from hapsynth.synth.subsets import candidates, on_fewer_devices
 from hapsynth.synth.synthesize import (InfeasibleMemory, NoDataParallelism, Options,
@@ -364,14 +366,37 @@ def sooner(plan: Plan, other: Plan | None, pipeline, min_gain: float) -> Plan:
     return replace(best, baselines={**best.baselines, "SPMD": alone}, solver=solver)
 
 
-def synthesize_once(prog, cluster, **kw) -> tuple[Plan, object]:
-    """`plan_program` on process 0 only; with several processes the plan is shared."""
+def synthesize_once(prog, cluster, cache: PlanCache | None = None, **kw) -> tuple[Plan, object]:
+    """`plan_program` on process 0 only, or the plan `cache` holds for it; with several
+    processes the plan is shared."""
     plan = None
     if jax.process_index() == 0:
-        plan, done = plan_program(prog, cluster, **kw)
+        plan, done = cached_plan(cache, prog, cluster, **kw) if cache else plan_program(
+            prog, cluster, **kw)
     if jax.process_count() > 1:
         plan = Plan.from_json(from_process_zero(plan and plan.to_json()))
         done = program_of(plan, prog)
+    return plan, done
+
+
+def cached_plan(cache: PlanCache, prog, cluster, **kw) -> tuple[Plan, object]:
+    """`plan_program`, unless `cache` holds a plan made for this program, cluster and
+    options (read back and checked: `plan.solver["cached"]` names its file); a plan made
+    is filed there."""
+    key = cache.key(prog, cluster, kw)
+    plan = cache.get(key)
+    if plan is not None:
+        try:
+            done = program_of(plan, prog)
+            plan.check(of_graph(lift_program(done)), cluster)
+        except Exception as err:  # noqa: BLE001 (planned again, and the file replaced)
+            warnings.warn(f"hapsynth plan cache: {cache.path(key)} does not fit this step "
+                          f"({err}); planning again", stacklevel=3)
+        else:
+            progress.phase("plan cache")
+            return replace(plan, solver={**plan.solver, "cached": str(cache.path(key))}), done
+    plan, done = plan_program(prog, cluster, **kw)
+    cache.put(key, plan)
     return plan, done
 
 
@@ -428,8 +453,10 @@ class Parallelized:
     def __init__(self, train_step, cluster: Cluster, *, donate_argnums=(), time_limit: float = 10.0,
                  seed: int = 0, workers: int = 2, strategy: str = "auto", shares=None,
                  min_gain: float = 0.05, plan: Plan | None = None, verbose: bool | None = None,
-                 pipeline="auto", devices="auto", remat="auto", pipeline_runtime="auto"):
+                 pipeline="auto", devices="auto", remat="auto", pipeline_runtime="auto",
+                 plan_cache=None):
         self.train_step = train_step
+        self.plan_cache = PlanCache.of(plan_cache)
         self.given_plan = plan  # a saved plan to use instead of synthesising (checked)
         self.cluster = cluster if isinstance(cluster, Cluster) else Cluster.load(cluster)
         self.donate_argnums = donate_argnums
@@ -469,8 +496,8 @@ class Parallelized:
             self.given_plan.check(of_graph(lift_program(prog)), self.cluster)  # names what differs
             self._plans[key] = self.given_plan
         else:
-            self._plans[key], prog = synthesize_once(prog, self.cluster, num_state_leaves=nstate,
-                                                     **self.options)
+            self._plans[key], prog = synthesize_once(prog, self.cluster, self.plan_cache,
+                                                     num_state_leaves=nstate, **self.options)
         self._programs[key] = prog
 
     def lowered(self, *args) -> Lowered:
@@ -524,7 +551,10 @@ def parallelize(train_step=None, *, cluster, donate_argnums=(), **options):
     every device works), `remat` ("auto": when no plan holds the step's activations, or when
     the faster devices hold them alone only so, cheap ones are recomputed in the backward
     pass; False: never), `verbose` (a progress bar while
-    planning: None shows it when run in a terminal or a notebook, not in CI)."""
+    planning: None shows it when run in a terminal or a notebook, not in CI),
+    `plan_cache` (a folder where plans are kept between runs and read back for the same
+    program, cluster and options; None: the folder `HAPSYNTH_PLAN_CACHE` names, if set;
+    False: none; see `hapsynth.plancache`)."""
     if train_step is None:
         return lambda fn: Parallelized(fn, cluster, donate_argnums=donate_argnums, **options)
     return Parallelized(train_step, cluster, donate_argnums=donate_argnums, **options)

@@ -72,7 +72,8 @@ def cmd_plan(args) -> int:
     try:
         plan = hs.parallelize(step, cluster=cluster, time_limit=args.time_limit, seed=args.seed,
                               devices="all" if args.all_devices else "auto",
-                              remat=False if args.no_remat else "auto").plan(*example)
+                              remat=False if args.no_remat else "auto",
+                              plan_cache=args.plan_cache).plan(*example)
     except hs.InfeasibleMemory as err:
         print(f"hapsynth plan: {err}", file=sys.stderr)
         return 2
@@ -182,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--no-remat", action="store_true",
                     help="plan the step as written even when its activations do not fit "
                          "(by default cheap ones are then recomputed in the backward pass)")
+    pl.add_argument("--plan-cache", metavar="DIR",
+                    help="keep plans in this folder and read one back when the same step, "
+                         "cluster and options are planned again (default: $HAPSYNTH_PLAN_CACHE)")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.add_argument("--out", help="also write the plan's JSON to this file")
     pl.add_argument("--explain", action="store_true",

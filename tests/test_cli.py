@@ -41,6 +41,17 @@ def test_plan_a_step_from_a_file(user_file, capsys):
     assert json.loads(capsys.readouterr().out)["devices"] is None
 
 
+def test_plan_twice_with_a_plan_cache(user_file, tmp_path, capsys):
+    """The second `hapsynth plan --plan-cache DIR` reads the plan the first filed."""
+    cmd = ["plan", f"{user_file}:make_step", "--cluster", "cpu-2-6", "--time-limit", "1",
+           "--plan-cache", str(tmp_path / "plans")]
+    assert cli_main(cmd) == 0
+    assert "plan cache" not in capsys.readouterr().out
+    assert cli_main(cmd) == 0
+    (path,) = (tmp_path / "plans").glob("*.json")
+    assert f"read from the plan cache: {path}" in capsys.readouterr().out
+
+
 def test_inspect_a_step_from_a_module(user_file, monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(user_file.parent))
     assert cli_main(["inspect", "my_step:make_step"]) == 0

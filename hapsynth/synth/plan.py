@@ -250,6 +250,8 @@ class Plan:
         gap = "n/a" if s.get("gap") is None else f"{s['gap']:.1%}"
         lines.append(f"  solver:      {s.get('status')} gap {gap}, {s.get('wall', 0):.1f} s, "
                      f"{s.get('rounds', 0)} rounds, {s.get('decisions', 0)} decisions")
+        if s.get("cached"):
+            lines.append(f"  read from the plan cache: {s['cached']}")
         if self.unsupported:
             lines.append(f"  replicated (no rule): {self.unsupported}")
         return "\n".join(lines)
