@@ -5,12 +5,14 @@ plan back. Opt in with `hs.parallelize(..., plan_cache=DIR)` or the environment 
 `HAPSYNTH_PLAN_CACHE=DIR`, as with JAX's compilation cache.
 
 A plan is filed under a hash of all it depends on: the traced program (every op with its
-params, every type, the arguments' paths), the cluster (its full description), the
-planning options, the number of processes, and the hapsynth and JAX versions. A file
-that cannot be read back, or whose plan does not check against the program, is planned
-again and replaced (with a warning)."""
+params and constant operands, every type, the arguments' paths), the cluster (its full
+description), the planning options, the number of processes, hapsynth's own source and
+JAX's version. A file that cannot be read back, or whose plan does not check against
+the program, is planned again and replaced; a folder that cannot be written keeps
+nothing; each with a warning."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -24,7 +26,7 @@ import numpy as np
 
 from hapsynth.cluster import Cluster
 from hapsynth.ir.signature import of_program
-from hapsynth.ir.trace import Program
+from hapsynth.ir.trace import Const, Program
 from hapsynth.synth.plan import Plan
 
 __all__ = ["ENV", "PlanCache"]
@@ -53,12 +55,19 @@ def _fingerprint(value) -> str:
 
 
 def program_key(prog: Program) -> str:
-    """A hash of the traced program: what `Signature` holds, and every op's params."""
+    """A hash of the traced program: what `Signature` holds, every op's params and the
+    values of its constant operands (rules read some: a pad by zero carries a partial
+    sum, a pad by one does not)."""
     h = hashlib.sha256()
     sig = of_program(prog)
     h.update(json.dumps([sig.inputs, sig.outputs, sig.ops, sig.digest]).encode())
     for e in prog.eqns:
-        h.update(f"{e.name}{_fingerprint(dict(e.params))}{e.loop}".encode())
+        consts = [_fingerprint(np.asarray(x.value)) for x in e.inputs if isinstance(x, Const)]
+        h.update(f"{e.name}{_fingerprint(dict(e.params))}{e.loop}{consts}".encode())
+    for t, v in sorted(prog.consts.items()):
+        h.update(f"{t}{_fingerprint(np.asarray(v))}".encode())
+    h.update(repr([_fingerprint(np.asarray(o.value)) for o in prog.outputs
+                   if isinstance(o, Const)]).encode())
     h.update(_ADDRESS.sub("", repr((prog.out_tree, prog.loops, prog.input_views,
                                     prog.split))).encode())
     return h.hexdigest()
@@ -78,7 +87,11 @@ class PlanCache:
             return None
         if given is None:
             given = os.environ.get(ENV) or None
-        return None if given is None else cls(given)
+            return None if given is None else cls(given)
+        if not isinstance(given, (str, os.PathLike)) or not str(given):
+            raise ValueError(f"plan_cache must be a folder, None (${ENV}) or False, got "
+                             f"{given!r}")
+        return cls(given)
 
     def key(self, prog: Program, cluster: Cluster, options: dict) -> str:
         from hapsynth import __version__
@@ -88,7 +101,7 @@ class PlanCache:
                 "options": {k: _fingerprint(v) for k, v in sorted(options.items())},
                 "processes": jax.process_count(),
                 "moves": jax.process_count() > 1 and moves_across_processes(),
-                "hapsynth": __version__, "jax": jax.__version__}
+                "hapsynth": __version__, "code": _code(), "jax": jax.__version__}
         return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
     def path(self, key: str) -> Path:
@@ -106,12 +119,42 @@ class PlanCache:
                           "again", stacklevel=3)
             return None
 
-    def put(self, key: str, plan: Plan) -> Path:
-        """File `plan` under `key` (written whole or not at all)."""
-        self.folder.mkdir(parents=True, exist_ok=True)
-        path = self.path(key)
-        fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=f".{key}.", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            f.write(plan.to_json())
-        os.replace(tmp, path)
-        return path
+    def put(self, key: str, plan: Plan) -> Path | None:
+        """File `plan` under `key`, written whole or not at all (a folder that cannot be
+        written is warned of: the plan made is not lost)."""
+        path, tmp = self.path(key), None
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=f".{key}.", suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                f.write(plan.to_json())
+            os.chmod(tmp, 0o666 & ~_UMASK)  # (as a plain open would: others may read it)
+            os.replace(tmp, path)
+            return path
+        except OSError as err:
+            warnings.warn(f"hapsynth plan cache: cannot write {path} ({err}); the plan is "
+                          "not kept", stacklevel=3)
+            return None
+        finally:
+            if tmp is not None and os.path.exists(tmp):
+                os.remove(tmp)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _umask()  # (read once, at import: setting it is not thread-safe)
+
+
+@functools.lru_cache(maxsize=None)
+def _code() -> str:
+    """A hash of hapsynth's own source: a plan made by other code is made again."""
+    h = hashlib.sha256()
+    root = Path(__file__).parent
+    for f in sorted(root.rglob("*.py")):
+        h.update(str(f.relative_to(root)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]

@@ -112,3 +112,39 @@ def test_the_environment_names_the_folder_and_false_turns_it_off(tmp_path, monke
     assert len(list((tmp_path / "env").glob("*.json"))) == 1
     _no_planning(monkeypatch)
     assert hs.parallelize(step, cluster=mixed()).plan(*args).solver["cached"]
+
+
+def test_constant_operands_and_the_code_are_in_the_key(tmp_path, monkeypatch):
+    """A pad by zero and a pad by one are other programs (a rule reads the value: a
+    partial sum passes through the first); a change to hapsynth's code files nothing
+    under the old key."""
+    from hapsynth import plancache
+
+    def step(value):
+        def f(w, x):
+            g = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
+            return w - 0.1 * jax.lax.pad(g, value, ((0, 0, 0), (0, 0, 0))), jnp.sum(w)
+        return f
+
+    w, x = jnp.ones((8, 8)), jnp.ones((16, 8))
+    zero, one = trace(step(0.0), w, x), trace(step(1.0), w, x)
+    assert program_key(zero) != program_key(one)
+    cache = PlanCache(tmp_path)
+    before = cache.key(zero, mixed(), {})
+    plancache._code.cache_clear()
+    monkeypatch.setattr(plancache, "_code", lambda: "other code")
+    assert cache.key(zero, mixed(), {}) != before
+
+
+def test_a_folder_that_cannot_be_written_keeps_the_plan(tmp_path):
+    """Planning is not lost to a cache folder that cannot be made (a file is in the
+    way): a warning, the plan, nothing left behind; a cache that is not a folder is an
+    error that says so."""
+    (tmp_path / "file").write_text("")
+    step, args = get("mlp", "tiny")
+    with pytest.warns(UserWarning, match="cannot write"):
+        plan = hs.parallelize(step, cluster=mixed(), plan_cache=tmp_path / "file" / "sub").plan(*args)
+    assert plan.predicted_step_time > 0 and sorted(tmp_path.iterdir()) == [tmp_path / "file"]
+    for bad in (True, ""):
+        with pytest.raises(ValueError, match="plan_cache must be a folder"):
+            hs.parallelize(step, cluster=mixed(), plan_cache=bad)
