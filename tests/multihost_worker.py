@@ -2,7 +2,8 @@
 
     python multihost_worker.py PROCESS_ID PORT MODE     (MODE: run | die)
 
-`run`: three chained parallelized steps; prints MAXERR against single-device jax.jit.
+`run`: three chained parallelized steps; prints MAXERR against single-device jax.jit (and
+whether the plan was read from the plan cache, where `HAPSYNTH_PLAN_CACHE` names one).
 `die`: process 1 exits abruptly after one step; process 0 keeps stepping and must fail.
 """
 import os
@@ -56,5 +57,6 @@ err = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / max(float(np.max
 units = par.plan(params, opt, batch).shard_units
 loaded = sum(n for _, n in asked)
 total = sum(np.shape(v)[0] for v in jax.tree.leaves(batch))
+cached = bool(par.plan(params, opt, batch).solver.get("cached"))  # ($HAPSYNTH_PLAN_CACHE)
 print(f"MAXERR {err:.3e} UNEVEN {any(len(set(u)) > 1 for u in units.values())} "
-      f"LOADED {loaded} OF {total}", flush=True)
+      f"LOADED {loaded} OF {total} CACHED {cached}", flush=True)
