@@ -46,7 +46,11 @@ def _fingerprint(value) -> str:
     if isinstance(value, dict):
         return "{" + ",".join(f"{k!r}:{_fingerprint(v)}" for k, v in sorted(
             value.items(), key=lambda kv: repr(kv[0]))) + "}"
-    if isinstance(value, (np.ndarray, jax.Array)):
+    if isinstance(value, (np.ndarray, jax.Array, np.generic, int, float, complex)) \
+            and not isinstance(value, bool):
+        if jax.dtypes.issubdtype(getattr(value, "dtype", None) or np.float32,
+                                 jax.dtypes.prng_key):  # (typed keys: their bits and impl)
+            return f"key({jax.random.key_impl(value)},{_fingerprint(jax.random.key_data(value))})"
         a = np.asarray(value)
         return f"array({a.dtype},{a.shape},{hashlib.sha256(a.tobytes()).hexdigest()[:16]})"
     if callable(value) and not isinstance(value, type) and hasattr(value, "__qualname__"):
@@ -62,11 +66,11 @@ def program_key(prog: Program) -> str:
     sig = of_program(prog)
     h.update(json.dumps([sig.inputs, sig.outputs, sig.ops, sig.digest]).encode())
     for e in prog.eqns:
-        consts = [_fingerprint(np.asarray(x.value)) for x in e.inputs if isinstance(x, Const)]
+        consts = [_fingerprint(x.value) for x in e.inputs if isinstance(x, Const)]
         h.update(f"{e.name}{_fingerprint(dict(e.params))}{e.loop}{consts}".encode())
     for t, v in sorted(prog.consts.items()):
-        h.update(f"{t}{_fingerprint(np.asarray(v))}".encode())
-    h.update(repr([_fingerprint(np.asarray(o.value)) for o in prog.outputs
+        h.update(f"{t}{_fingerprint(v)}".encode())
+    h.update(repr([_fingerprint(o.value) for o in prog.outputs
                    if isinstance(o, Const)]).encode())
     h.update(_ADDRESS.sub("", repr((prog.out_tree, prog.loops, prog.input_views,
                                     prog.split))).encode())
@@ -94,6 +98,7 @@ class PlanCache:
         return cls(given)
 
     def key(self, prog: Program, cluster: Cluster, options: dict) -> str:
+        """The name a plan of `prog` on `cluster` under `options` is filed under."""
         from hapsynth import __version__
         from hapsynth._jax import moves_across_processes
         what = {"program": program_key(prog),

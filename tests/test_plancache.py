@@ -116,8 +116,8 @@ def test_the_environment_names_the_folder_and_false_turns_it_off(tmp_path, monke
 
 def test_constant_operands_and_the_code_are_in_the_key(tmp_path, monkeypatch):
     """A pad by zero and a pad by one are other programs (a rule reads the value: a
-    partial sum passes through the first); a change to hapsynth's code files nothing
-    under the old key."""
+    partial sum passes through the first), as are steps closing over other PRNG keys; a
+    change to hapsynth's code files nothing under the old key."""
     from hapsynth import plancache
 
     def step(value):
@@ -129,6 +129,15 @@ def test_constant_operands_and_the_code_are_in_the_key(tmp_path, monkeypatch):
     w, x = jnp.ones((8, 8)), jnp.ones((16, 8))
     zero, one = trace(step(0.0), w, x), trace(step(1.0), w, x)
     assert program_key(zero) != program_key(one)
+    def noisy(key):  # (a typed PRNG key closed over: no NumPy array of its own)
+        def f(w, x):
+            noise = jax.random.normal(key, x.shape)
+            return w - 0.1 * jax.grad(lambda w: jnp.sum(jnp.tanh((x + noise) @ w) ** 2))(w), jnp.sum(w)
+        return f
+
+    three = program_key(trace(noisy(jax.random.key(3)), w, x))
+    assert three == program_key(trace(noisy(jax.random.key(3)), w, x))
+    assert three != program_key(trace(noisy(jax.random.key(4)), w, x))
     cache = PlanCache(tmp_path)
     before = cache.key(zero, mixed(), {})
     plancache._code.cache_clear()
