@@ -387,8 +387,7 @@ def cached_plan(cache: PlanCache, prog, cluster, **kw) -> tuple[Plan, object]:
     plan = cache.get(key)
     if plan is not None:
         try:
-            done = program_of(plan, prog)
-            plan.check(of_graph(lift_program(done)), cluster)
+            done = checked_program(plan, prog, cluster)
         except Exception as err:  # noqa: BLE001 (planned again, and the file replaced)
             warnings.warn(f"hapsynth plan cache: {cache.path(key)} does not fit this step "
                           f"({err}); planning again", stacklevel=3)
@@ -398,6 +397,14 @@ def cached_plan(cache: PlanCache, prog, cluster, **kw) -> tuple[Plan, object]:
     plan, done = plan_program(prog, cluster, **kw)
     cache.put(key, plan)
     return plan, done
+
+
+def checked_program(plan: Plan, prog, cluster: Cluster):
+    """The program `plan` runs (`program_of`), after checking the plan was made for it and
+    for `cluster` (`PlanMismatch` names what differs)."""
+    done = program_of(plan, prog)
+    plan.check(of_graph(lift_program(done)), cluster)
+    return done
 
 
 def undone_program(prog, num_state_leaves: int | None, merge=merge_recomputed):
@@ -492,8 +499,7 @@ class Parallelized:
         prog = fold_batch_splits(prog, range(nstate, len(prog.inputs)))
         progress.phase("lift")
         if self.given_plan is not None:
-            prog = program_of(self.given_plan, prog)
-            self.given_plan.check(of_graph(lift_program(prog)), self.cluster)  # names what differs
+            prog = checked_program(self.given_plan, prog, self.cluster)
             self._plans[key] = self.given_plan
         else:
             self._plans[key], prog = synthesize_once(prog, self.cluster, self.plan_cache,

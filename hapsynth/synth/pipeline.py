@@ -477,7 +477,6 @@ class _Evaluator:
         self.leaf = {t: i for i, t in enumerate(graph.inputs[:num_state_leaves])}
         # the partial sums each microbatch adds to: summed in the island after the last one
         self._scans: dict = {}
-        self._works: dict = {}
         self._phase: dict = {}
         self._groups: dict = {}
         self._post: dict = {}   # island -> seconds of each op after the microbatches
@@ -634,13 +633,11 @@ class _Evaluator:
         return out
 
     def work(self, order, cuts, M) -> tuple[list, list]:
-        """Per stage, the seconds of one microbatch's forward and backward ops (cached)."""
-        key = (tuple(order), tuple(cuts), M)
-        if key not in self._works:
-            sc = self.scan(order, cuts)
-            self._works[key] = tuple([float(self._micro_seconds(k, M)[ops].sum())
-                                      for ops, k in zip(sc[way], order)] for way in ("fwd", "bwd"))
-        return self._works[key]
+        """Per stage, the seconds of one microbatch's forward and backward ops (`_phases`
+        keeps them, with what else a microbatch costs)."""
+        sc = self.scan(order, cuts)
+        return tuple([float(self._micro_seconds(k, M)[ops].sum())
+                      for ops, k in zip(sc[way], order)] for way in ("fwd", "bwd"))
 
     def _micro_seconds(self, island: int, M: int) -> np.ndarray:
         """Per op (by id; 0 for those not run per microbatch), one microbatch's seconds
