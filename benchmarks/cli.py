@@ -6,7 +6,7 @@ import json
 
 def bench(kind: str, model: str | None = None, config: str | None = None,
           reps: int | None = None, ratios=(2.0, 3.0), as_json: bool = False,
-          link: str | None = "100mbit") -> int:
+          link: str | None = "100mbit", batch: int | None = None) -> int:
     """Run one benchmark and print its result; the exit status."""
     if kind == "overhead":
         from hapsynth_bench import overhead
@@ -16,7 +16,8 @@ def bench(kind: str, model: str | None = None, config: str | None = None,
         from hapsynth_bench import pipeline_bench
 
         row = pipeline_bench.run(model or "gpt", config or "small", ratio=ratios[0],
-                                 reps=reps or 8, link=None if link in (None, "none") else link)
+                                 reps=reps or 8, link=None if link in (None, "none") else link,
+                                 batch=batch)
         print(json.dumps(row, indent=1) if as_json else pipeline_bench.format_row(row))
         return 0
     if kind == "overlap":

@@ -3,6 +3,8 @@ prices over emulated speed ratios and link bandwidths, nothing run.
 
     .venv/bin/python benchmarks/harness_whatif.py --model gpt --config small
     .venv/bin/python benchmarks/harness_whatif.py --model mlp --config paper --ratios 1 2
+    .venv/bin/python benchmarks/harness_whatif.py --model vit --config paper --batch 32 \
+        --from benchmarks/pipeline_measured_vit_2026-12-06.json
     .venv/bin/python -m hapsynth_bench.harness_whatif ...        (the same, installed)
 
 The harness's cluster (`pipeline_bench._islands`: two islands of one CPU device each) at
@@ -49,7 +51,8 @@ def calibration(model: str, config: str, path: str | None = None) -> dict:
     return rows[max(rows)]
 
 
-def sweep(model: str, config: str, ratios, bandwidths, row: dict, time_limit: float = 5.0):
+def sweep(model: str, config: str, ratios, bandwidths, row: dict, time_limit: float = 5.0,
+          batch: int | None = None):
     import jax
 
     from hapsynth.api import make_plan
@@ -57,7 +60,7 @@ def sweep(model: str, config: str, ratios, bandwidths, row: dict, time_limit: fl
     from hapsynth.models import get
     from hapsynth_bench.pipeline_bench import _islands
 
-    step, args = get(model, config, devices=2, abstract=False)
+    step, args = get(model, config, devices=2, abstract=False, batch=batch)
     _, graph = lift(step, *args)
     n = len(jax.tree.leaves(args[:2]))
     flops = row["calibration"]["flops"]
@@ -94,6 +97,7 @@ def main(argv=None) -> int:
     ap.add_argument("--bandwidths", type=float, nargs="+", default=[12, 24, 60, 120, 250, 500],
                     help="the link as a step sees it, MB/s")
     ap.add_argument("--from", dest="path", help="a harness row (JSON) to take the rates from")
+    ap.add_argument("--batch", type=int, help="the model's global batch, in place of its config's")
     a = ap.parse_args(argv)
     row = calibration(a.model, a.config, a.path)
     print(f"{a.model}-{a.config}, the fast device at {row['calibration']['flops'] / 1e9:.0f} "
@@ -101,7 +105,8 @@ def main(argv=None) -> int:
     print("| slow:fast | link | SPMD-only | fast alone | tick loop | its ops per stage | "
           "best of the two / tick loop | run free | its ops per stage | best / run free |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in sweep(a.model, a.config, a.ratios, [b * 1e6 for b in a.bandwidths], row):
+    for r in sweep(a.model, a.config, a.ratios, [b * 1e6 for b in a.bandwidths], row,
+                   batch=a.batch):
         best = min(r["SPMD"], r["alone"])
         print(f"| {r['ratio']:g}:1 | {r['bandwidth'] / 1e6:g} MB/s | {r['SPMD'] * 1e3:.1f} ms | "
               f"{r['alone'] * 1e3:.1f} ms | {r['pipeline'] * 1e3:.1f} ms ({r['micros']} x "

@@ -33,6 +33,7 @@ processes differed and their programs aborted inside gloo.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import subprocess
@@ -41,8 +42,9 @@ import uuid
 
 NAMESPACE = "hapsynth-bench"
 #: Seconds a run may take: the paper MLP's takes 13-15 min behind 400 Mbit/s, most of it
-#: the calibration's data-parallel steps (10 s each, some timed again).
-TIMEOUT = 2400
+#: the calibration's data-parallel steps (10 s each, some timed again); the paper ViT's
+#: about an hour (25-45 s each). `HAPSYNTH_BENCH_TIMEOUT` sets another.
+TIMEOUT = float(os.environ.get("HAPSYNTH_BENCH_TIMEOUT", 2400))
 
 
 def _islands(flops: float, bandwidth: float, ratio: float, link: dict | None):
@@ -104,7 +106,8 @@ class _Alone:
         return self.fn(*self.shard(*args))
 
 
-def measure(model: str, config: str, ratio: float, reps: int, time_limit: float) -> dict:
+def measure(model: str, config: str, ratio: float, reps: int, time_limit: float,
+            batch: int | None = None) -> dict:
     """One process's part (runs under `hapsynth_bench.launch`). Every plan, and all it is
     made from, is process 0's (`launch.agreed`)."""
     import jax
@@ -124,7 +127,7 @@ def measure(model: str, config: str, ratio: float, reps: int, time_limit: float)
     devices = jax.devices()
     link = agreed(profile.links())
     progress(f"link: {link['bandwidth'] / 1e6:.1f} MB/s, latency {link['latency'] * 1e6:.0f} us")
-    step, args = get(model, config, devices=len(devices), abstract=False)
+    step, args = get(model, config, devices=len(devices), abstract=False, batch=batch)
     prog, graph = lift(step, *args)
     nstate = len(jax.tree.leaves(args[:2]))
 
@@ -136,6 +139,7 @@ def measure(model: str, config: str, ratio: float, reps: int, time_limit: float)
     base = _islands(1e11, 1e10, 1.0, link)
     probe = plan(base, strategy="data-parallel", shares=(0.5, 0.5))
     t1, rep = calibrate_work(prog, probe, devices, args, reps)
+    gc.collect()  # the probe's two programs, before the timed ones are built
     busy = probe.breakdown["compute_per_class"]["fast"]
     # the fixed cost of a step (dispatch, not split, not slowed), from the step on the
     # fast device alone: no link in it, whose price would otherwise land here
@@ -166,10 +170,12 @@ def measure(model: str, config: str, ratio: float, reps: int, time_limit: float)
              f"fast device alone {alone.predicted_step_time * 1e3:.1f} ms, "
              f"pipeline {pipe.predicted_step_time * 1e3:.1f} ms")
     emulate = WorkRepeat((1, int(round(ratio))))
-    runs = {"SPMD": (Lowered(prog, spmd, devices, branch_hook=emulate), args),
-            "pipeline": (Pipelined(prog, pipe, devices, branch_hook=emulate), args),
-            **alone_runs}
-    if free.pipeline.get("runtime") == "free":
+    timed = timed_programs()
+    runs = {k: (make(), args) for k, make in (
+        ("SPMD", lambda: Lowered(prog, spmd, devices, branch_hook=emulate)),
+        ("pipeline", lambda: Pipelined(prog, pipe, devices, branch_hook=emulate))) if k in timed}
+    runs.update({k: v for k, v in alone_runs.items() if k in timed})
+    if free.pipeline.get("runtime") == "free" and "free" in timed:
         runs["free"] = (FreeRunning(prog, free, devices, branch_hook=emulate), args)
     measured = _time_steps(runs, reps)
     if os.environ.get("HAPSYNTH_BENCH_TRACE"):  # a profile of two pipelined steps, per process
@@ -177,9 +183,9 @@ def measure(model: str, config: str, ratio: float, reps: int, time_limit: float)
     predicted = {"SPMD": spmd.predicted_step_time + overhead,
                  "pipeline": pipe.predicted_step_time + overhead,
                  "alone": alone.predicted_step_time + overhead}
-    if "free" in runs:
+    if free.pipeline.get("runtime") == "free":
         predicted["free"] = free.predicted_step_time + overhead
-    return {"model": f"{model}-{config}", "ratio": f"{ratio:g}:1", "link": link,
+    return {"model": f"{model}-{config}", "batch": batch, "ratio": f"{ratio:g}:1", "link": link,
             "measured": measured, "predicted": predicted, "spmd_chosen": spmd.chosen,
             "pipeline": {"micros": pipe.pipeline["micros"], "schedule": pipe.pipeline["schedule"],
                          "stages": [s["island"] for s in pipe.stages],
@@ -235,10 +241,11 @@ def slow_loopback(rate: str):
 
 
 def run(model: str = "gpt", config: str = "small", ratio: float = 2.0, reps: int = 8,
-        time_limit: float = 5.0, link: str | None = "100mbit") -> dict:
-    """Measure in the slow-link namespace (or on the plain loopback when `link` is None)."""
+        time_limit: float = 5.0, link: str | None = "100mbit", batch: int | None = None) -> dict:
+    """Measure in the slow-link namespace (or on the plain loopback when `link` is None);
+    `batch`: the model's global batch in place of its config's."""
     kwargs = {"model": model, "config": config, "ratio": ratio, "reps": reps,
-              "time_limit": time_limit}
+              "time_limit": time_limit, "batch": batch}
     if link is None:
         from hapsynth_bench import launch
         return launch.run("hapsynth_bench.pipeline_bench:measure", kwargs, echo=True,
@@ -246,6 +253,21 @@ def run(model: str = "gpt", config: str = "small", ratio: float = 2.0, reps: int
     row = behind_link(link, "hapsynth_bench.pipeline_bench", kwargs)
     row["link_limit"] = link
     return row
+
+
+def timed_programs() -> set[str]:
+    """The programs timed (all are planned and priced): `HAPSYNTH_BENCH_TIMED`, a comma list of
+    SPMD, alone, pipeline (the tick loop) and free; all by default. Each process holds every
+    timed program's state and heap at once: the paper ViT's four do not fit two processes
+    in 24 GB."""
+    names = {"SPMD", "alone", "pipeline", "free"}
+    asked = os.environ.get("HAPSYNTH_BENCH_TIMED")
+    if not asked:
+        return names
+    chosen = {n.strip() for n in asked.split(",") if n.strip()}
+    if not chosen or chosen - names:
+        raise ValueError(f"HAPSYNTH_BENCH_TIMED={asked!r}: name some of {sorted(names)}")
+    return chosen
 
 
 def transfers() -> bool:
@@ -268,7 +290,7 @@ def behind_link(link: str, module: str, kwargs: dict) -> dict:
 def best_spmd(times: dict) -> float:
     """The best SPMD-only time of a row's: over both devices, or the fast device alone
     (rows from before 2026-12-05 have only the first)."""
-    return min(times["SPMD"], times.get("alone", float("inf")))
+    return min(times.get("SPMD", float("inf")), times.get("alone", float("inf")))
 
 
 def format_row(r: dict) -> str:
@@ -281,8 +303,9 @@ def format_row(r: dict) -> str:
     idle = [s for s, n in zip(pipe["stages"], pipe.get("ops", pipe.get(
         "work", [1] * len(pipe["stages"])))) if n <= 0]  # (before "ops": its work was 0)
     emulated = r.get("calibration", {}).get("emulated")
-    free = r.get("free") if "free" in m else None
-    lines = [f"{r['model']} at {r['ratio']}" + (f" (runs as {emulated:.2f}:1)" if emulated else "")
+    free = r.get("free") if "free" in p else None
+    lines = [f"{r['model']}" + (f" (batch {r['batch']})" if r.get("batch") else "")
+             + f" at {r['ratio']}" + (f" (runs as {emulated:.2f}:1)" if emulated else "")
              + f", link {r.get('link_limit', 'loopback')} (psum sweep "
              f"{ln.get('swept_bandwidth', ln['bandwidth']) / 1e6:.1f} MB/s, in a step "
              f"{ln['bandwidth'] / 1e6:.1f} MB/s, {ln['latency'] * 1e6:.0f} us); "
@@ -291,25 +314,37 @@ def format_row(r: dict) -> str:
                                       f"in microbatches)" if idle else "")
              + (f"; run free {len(free['stages'])} stages x {free['micros']} microbatches, "
                 f"{free['schedule']}" if free else "") + f"; SPMD-only: {r['spmd_chosen']}"]
-    cols = [k for k in ("SPMD", "alone", "pipeline", "free") if k in m]
+    cols = [k for k in ("SPMD", "alone", "pipeline", "free") if k in p]
     names = {"SPMD": "SPMD-only", "alone": "fast alone", "pipeline": "tick loop",
              "free": "run free"}
     lines.append(f"{'':>10} " + " ".join(f"{names[k]:>10}" for k in cols))
+    def cell(v, fmt: str, width: int = 10) -> str:
+        return f"{'-':>{width}}" if v is None else format(v, fmt)
+
     for label, d in (("measured", m), ("predicted", p)):
-        lines.append(f"{label:>10} " + " ".join(f"{d[k] * 1e3:8.1f}ms" for k in cols))
-    lines.append(f"{'error':>10} " + " ".join(f"{100 * (p[k] - m[k]) / m[k]:+9.0f}%"
-                                              for k in cols))
-    pipes = [k for k in ("pipeline", "free") if k in m]
-    ups = {"over SPMD-only": lambda d, k: d["SPMD"] / d[k],
-           "over the better": lambda d, k: best_spmd(d) / d[k]}
+        lines.append(f"{label:>10} " + " ".join(
+            cell(d[k] * 1e3 if k in d else None, "8.1f") + ("ms" if k in d else "")
+            for k in cols))
+    lines.append(f"{'error':>10} " + " ".join(
+        cell(100 * (p[k] - m[k]) / m[k] if k in m else None, "+9.0f") + ("%" if k in m else "")
+        for k in cols))
+    pipes = [k for k in ("pipeline", "free") if k in p]
+    ups = {"over SPMD-only": lambda d, k: d["SPMD"] / d[k] if "SPMD" in d and k in d else None,
+           "over the better": lambda d, k: best_spmd(d) / d[k] if k in d else None}
     pairs = [(o, k) for o in ups for k in pipes]
     span = 11 * len(pipes) - 1
     lines.append(f"{'speed-up':>10} " + " ".join(f"{o:^{span}}" for o in ups))
     lines.append(f"{'':>10} " + " ".join(f"{names[k]:>10}" for _, k in pairs))
     for label, d in (("measured", m), ("predicted", p)):
-        lines.append(f"{label:>10} " + " ".join(f"{ups[o](d, k):9.2f}x" for o, k in pairs))
+        lines.append(f"{label:>10} " + " ".join(
+            cell(ups[o](d, k), "9.2f") + ("x" if ups[o](d, k) is not None else "")
+            for o, k in pairs))
     lines.append(f"{'error':>10} " + " ".join(
-        f"{100 * (ups[o](p, k) / ups[o](m, k) - 1):+9.0f}%" for o, k in pairs))
+        cell(100 * (ups[o](p, k) / ups[o](m, k) - 1) if ups[o](m, k) else None, "+9.0f")
+        + ("%" if ups[o](m, k) else "") for o, k in pairs))
+    if "SPMD" not in m:
+        lines.append("(SPMD-only across both devices not timed: measured, the better is the "
+                     "fast device alone)")
     return "\n".join(lines)
 
 

@@ -129,7 +129,7 @@ def cmd_bench(args) -> int:
     if cli is None:
         return 2
     return cli.bench(args.kind, model=args.model, config=args.config, reps=args.reps,
-                     ratios=args.ratios, as_json=args.json, link=args.link)
+                     ratios=args.ratios, as_json=args.json, link=args.link, batch=args.batch)
 
 
 def cmd_profile(args) -> int:
@@ -199,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--model", choices=names(), help="default: gpt (overhead), a set (hetero)")
     be.add_argument("--config", choices=list(CONFIG_NAMES), help="default: tiny")
     be.add_argument("--reps", type=int, help="timed steps per program (default 20 / 8)")
+    be.add_argument("--batch", type=int,
+                    help="pipeline: the model's global batch, in place of its config's")
     be.add_argument("--ratios", type=float, nargs="+", default=[2.0, 3.0],
                     help="hetero: fast/slow speed ratios to emulate")
     be.add_argument("--json", action="store_true", help="hetero, pipeline, overlap: print JSON")

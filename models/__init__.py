@@ -22,9 +22,11 @@ def names() -> list[str]:
     return list(ZOO)
 
 
-def get(name: str, config: str = "tiny", *, devices: int = 8, abstract: bool | None = None):
+def get(name: str, config: str = "tiny", *, devices: int = 8, abstract: bool | None = None,
+        batch: int | None = None):
     """Return ``(train_step, (params, opt_state, batch))`` for zoo entry ``name`` at size ``config``.
-    ``abstract=None`` means abstract for "paper" and "medium". Deterministic: model from ``nnx.Rngs(0)``,
+    ``abstract=None`` means abstract for "paper" and "medium"; ``batch`` sets the global batch
+    (rows, images or sequences) in place of the size's. Deterministic: model from ``nnx.Rngs(0)``,
     batch from ``jax.random.key(1)``."""
     if name not in ZOO:
         raise ValueError(f"unknown model {name!r}; valid names: {names()}")
@@ -32,7 +34,7 @@ def get(name: str, config: str = "tiny", *, devices: int = 8, abstract: bool | N
         raise ValueError(f"unknown config {config!r}; valid configs: {list(CONFIG_NAMES)}")
     if abstract is None:
         abstract = config in ("paper", "medium")
-    return ZOO[name].build(config, devices=devices, abstract=bool(abstract))
+    return ZOO[name].build(config, devices=devices, abstract=bool(abstract), batch=batch)
 
 
 __all__ = ["ZOO", "get", "names", "param_count", "CONFIG_NAMES"]

@@ -34,8 +34,8 @@ CONFIGS = {
 }
 
 
-def config(name: str = "tiny", devices: int = 8) -> Config:
-    return pick_config(CONFIGS, name, devices, batch=32)
+def config(name: str = "tiny", devices: int = 8, batch: int | None = None) -> Config:
+    return pick_config(CONFIGS, name, devices, global_batch=batch, batch=32)
 
 
 class Encoder(nnx.Module):
@@ -75,8 +75,9 @@ def mlm_loss(model, batch) -> jax.Array:
     return loss if aux is None else loss + aux
 
 
-def build(name: str = "tiny", *, devices: int = 8, abstract: bool = False):
-    cfg = config(name, devices)
+def build(name: str = "tiny", *, devices: int = 8, abstract: bool = False,
+          batch: int | None = None):
+    cfg = config(name, devices, batch)
     tx = optax.adamw(cfg.lr)
     graphdef, params, opt_state = init_state(lambda: Encoder(cfg, rngs=nnx.Rngs(0)), tx, abstract)
     step = make_train_step(mlm_loss, tx, graphdef)

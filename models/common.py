@@ -17,9 +17,11 @@ EMBED_INIT = nnx.initializers.normal(0.02)
 
 # ----------------------------------------------------------------------------- configs
 
-def pick_config(configs: dict, name: str, devices: int, **per_device: int):
+def pick_config(configs: dict, name: str, devices: int, global_batch: int | None = None,
+                **per_device: int):
     """Return ``configs[name]``; for "paper", each field in ``per_device`` becomes value × devices
-    (e.g. ``batch=32`` → global batch 32·devices, as in HAP's evaluation)."""
+    (e.g. ``batch=32`` → global batch 32·devices, as in HAP's evaluation); ``global_batch``,
+    when given, is the batch whatever the size and devices."""
     if name not in configs:
         raise ValueError(f"unknown config {name!r}; valid configs: {sorted(configs)}")
     if not isinstance(devices, int) or devices < 1:
@@ -27,6 +29,10 @@ def pick_config(configs: dict, name: str, devices: int, **per_device: int):
     cfg = configs[name]
     if name == "paper" and per_device:
         cfg = dataclasses.replace(cfg, **{k: v * devices for k, v in per_device.items()})
+    if global_batch is not None:
+        if not isinstance(global_batch, int) or global_batch < 1:
+            raise ValueError(f"batch must be a positive int, got {global_batch!r}")
+        cfg = dataclasses.replace(cfg, batch=global_batch)
     return cfg
 
 

@@ -37,8 +37,8 @@ CONFIGS = {
 }
 
 
-def config(name: str = "tiny", devices: int = 8) -> Config:
-    return pick_config(CONFIGS, name, devices, batch=32)
+def config(name: str = "tiny", devices: int = 8, batch: int | None = None) -> Config:
+    return pick_config(CONFIGS, name, devices, global_batch=batch, batch=32)
 
 
 class GPT(nnx.Module):
@@ -55,8 +55,9 @@ class GPT(nnx.Module):
         return self.tok.attend(self.ln(x))  # tied output projection
 
 
-def build(name: str = "tiny", *, devices: int = 8, abstract: bool = False):
-    cfg = config(name, devices)
+def build(name: str = "tiny", *, devices: int = 8, abstract: bool = False,
+          batch: int | None = None):
+    cfg = config(name, devices, batch)
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(cfg.lr))
     graphdef, params, opt_state = init_state(lambda: GPT(cfg, rngs=nnx.Rngs(0)), tx, abstract)
 

@@ -27,8 +27,8 @@ CONFIGS = {
 }
 
 
-def config(name: str = "tiny", devices: int = 8) -> Config:
-    return pick_config(CONFIGS, name, devices, batch=32)
+def config(name: str = "tiny", devices: int = 8, batch: int | None = None) -> Config:
+    return pick_config(CONFIGS, name, devices, global_batch=batch, batch=32)
 
 
 def init_params(key: jax.Array, cfg: Config) -> dict:
@@ -50,8 +50,9 @@ def forward(params: dict, x: jax.Array) -> jax.Array:
     return x
 
 
-def build(name: str = "tiny", *, devices: int = 8, abstract: bool = False):
-    cfg = config(name, devices)
+def build(name: str = "tiny", *, devices: int = 8, abstract: bool = False,
+          batch: int | None = None):
+    cfg = config(name, devices, batch)
     tx = optax.adam(cfg.lr)
     params, opt_state = init_plain(lambda: init_params(jax.random.key(0), cfg), tx, abstract)
 

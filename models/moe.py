@@ -47,8 +47,8 @@ CONFIGS = {
 }
 
 
-def config(name: str = "tiny", devices: int = 8) -> Config:
-    return pick_config(CONFIGS, name, devices, batch=32, experts=2)
+def config(name: str = "tiny", devices: int = 8, batch: int | None = None) -> Config:
+    return pick_config(CONFIGS, name, devices, global_batch=batch, batch=32, experts=2)
 
 
 class MoE(nnx.Module):
@@ -97,8 +97,9 @@ class MoE(nnx.Module):
         return y, self.aux_weight * aux
 
 
-def build(name: str = "tiny", *, devices: int = 8, abstract: bool = False):
-    cfg = config(name, devices)
+def build(name: str = "tiny", *, devices: int = 8, abstract: bool = False,
+          batch: int | None = None):
+    cfg = config(name, devices, batch)
     tx = optax.adamw(cfg.lr)
 
     def make_ffn(i, rngs):

@@ -32,8 +32,8 @@ CONFIGS = {
 }
 
 
-def config(name: str = "tiny", devices: int = 8) -> Config:
-    return pick_config(CONFIGS, name, devices, batch=32)
+def config(name: str = "tiny", devices: int = 8, batch: int | None = None) -> Config:
+    return pick_config(CONFIGS, name, devices, global_batch=batch, batch=32)
 
 
 class VGG(nnx.Module):
@@ -64,8 +64,9 @@ class VGG(nnx.Module):
         return x
 
 
-def build(name: str = "tiny", *, devices: int = 8, abstract: bool = False):
-    cfg = config(name, devices)
+def build(name: str = "tiny", *, devices: int = 8, abstract: bool = False,
+          batch: int | None = None):
+    cfg = config(name, devices, batch)
     tx = optax.sgd(cfg.lr, momentum=0.9)
     graphdef, params, opt_state = init_state(lambda: VGG(cfg, rngs=nnx.Rngs(0)), tx, abstract)
 

@@ -37,8 +37,8 @@ CONFIGS = {
 }
 
 
-def config(name: str = "tiny", devices: int = 8) -> Config:
-    return pick_config(CONFIGS, name, devices, batch=32)
+def config(name: str = "tiny", devices: int = 8, batch: int | None = None) -> Config:
+    return pick_config(CONFIGS, name, devices, global_batch=batch, batch=32)
 
 
 def patchify(x: jax.Array, p: int) -> jax.Array:
@@ -63,8 +63,9 @@ class ViT(nnx.Module):
         return self.head(self.ln(x).mean(axis=1))
 
 
-def build(name: str = "tiny", *, devices: int = 8, abstract: bool = False):
-    cfg = config(name, devices)
+def build(name: str = "tiny", *, devices: int = 8, abstract: bool = False,
+          batch: int | None = None):
+    cfg = config(name, devices, batch)
     tx = optax.adamw(cfg.lr)
     graphdef, params, opt_state = init_state(lambda: ViT(cfg, rngs=nnx.Rngs(0)), tx, abstract)
 

@@ -34,6 +34,17 @@ def test_registry_names_and_errors():
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_a_batch_given_replaces_the_configs(name):
+    _, (params, _, batch) = get(name, "paper", devices=2, batch=6)
+    _, (params2, _, batch2) = get(name, "paper", devices=2)
+    rows = {x.shape[0] for x in jax.tree.leaves(batch)}
+    assert rows == {6} and {x.shape[0] for x in jax.tree.leaves(batch2)} == {64}
+    assert _sig(params) == _sig(params2)  # the model is the size's, only the batch moves
+    with pytest.raises(ValueError, match="batch must be a positive int, got 0"):
+        get(name, "tiny", batch=0)
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_tiny_trains_and_round_trips(name):
     step, (params, opt_state, batch) = get(name, "tiny")
     leaves = jax.tree.leaves((params, opt_state, batch))
