@@ -170,20 +170,21 @@ def measure(model: str, config: str, ratio: float, reps: int, time_limit: float,
              f"fast device alone {alone.predicted_step_time * 1e3:.1f} ms, "
              f"pipeline {pipe.predicted_step_time * 1e3:.1f} ms")
     emulate = WorkRepeat((1, int(round(ratio))))
+    runs_free = free.pipeline.get("runtime") == "free"
+    makers = {"SPMD": lambda: Lowered(prog, spmd, devices, branch_hook=emulate),
+              "pipeline": lambda: Pipelined(prog, pipe, devices, branch_hook=emulate),
+              "alone": lambda: alone_runs["alone"][0]}
+    if runs_free:
+        makers["free"] = lambda: FreeRunning(prog, free, devices, branch_hook=emulate)
     timed = timed_programs()
-    runs = {k: (make(), args) for k, make in (
-        ("SPMD", lambda: Lowered(prog, spmd, devices, branch_hook=emulate)),
-        ("pipeline", lambda: Pipelined(prog, pipe, devices, branch_hook=emulate))) if k in timed}
-    runs.update({k: v for k, v in alone_runs.items() if k in timed})
-    if free.pipeline.get("runtime") == "free" and "free" in timed:
-        runs["free"] = (FreeRunning(prog, free, devices, branch_hook=emulate), args)
+    runs = {k: (make(), args) for k, make in makers.items() if k in timed}
     measured = _time_steps(runs, reps)
     if os.environ.get("HAPSYNTH_BENCH_TRACE"):  # a profile of two pipelined steps, per process
         _trace(*runs["pipeline"], f"{os.environ['HAPSYNTH_BENCH_TRACE']}/p{jax.process_index()}")
     predicted = {"SPMD": spmd.predicted_step_time + overhead,
                  "pipeline": pipe.predicted_step_time + overhead,
                  "alone": alone.predicted_step_time + overhead}
-    if free.pipeline.get("runtime") == "free":
+    if runs_free:
         predicted["free"] = free.predicted_step_time + overhead
     return {"model": f"{model}-{config}", "batch": batch, "ratio": f"{ratio:g}:1", "link": link,
             "measured": measured, "predicted": predicted, "spmd_chosen": spmd.chosen,
@@ -318,16 +319,14 @@ def format_row(r: dict) -> str:
     names = {"SPMD": "SPMD-only", "alone": "fast alone", "pipeline": "tick loop",
              "free": "run free"}
     lines.append(f"{'':>10} " + " ".join(f"{names[k]:>10}" for k in cols))
-    def cell(v, fmt: str, width: int = 10) -> str:
-        return f"{'-':>{width}}" if v is None else format(v, fmt)
+    def cell(v, fmt: str, unit: str) -> str:  # 10 wide, a dash for what was not timed
+        return f"{'-':>10}" if v is None else format(v, fmt) + unit
 
     for label, d in (("measured", m), ("predicted", p)):
         lines.append(f"{label:>10} " + " ".join(
-            cell(d[k] * 1e3 if k in d else None, "8.1f") + ("ms" if k in d else "")
-            for k in cols))
+            cell(d[k] * 1e3 if k in d else None, "8.1f", "ms") for k in cols))
     lines.append(f"{'error':>10} " + " ".join(
-        cell(100 * (p[k] - m[k]) / m[k] if k in m else None, "+9.0f") + ("%" if k in m else "")
-        for k in cols))
+        cell(100 * (p[k] - m[k]) / m[k] if k in m else None, "+9.0f", "%") for k in cols))
     pipes = [k for k in ("pipeline", "free") if k in p]
     ups = {"over SPMD-only": lambda d, k: d["SPMD"] / d[k] if "SPMD" in d and k in d else None,
            "over the better": lambda d, k: best_spmd(d) / d[k] if k in d else None}
@@ -336,12 +335,10 @@ def format_row(r: dict) -> str:
     lines.append(f"{'speed-up':>10} " + " ".join(f"{o:^{span}}" for o in ups))
     lines.append(f"{'':>10} " + " ".join(f"{names[k]:>10}" for _, k in pairs))
     for label, d in (("measured", m), ("predicted", p)):
-        lines.append(f"{label:>10} " + " ".join(
-            cell(ups[o](d, k), "9.2f") + ("x" if ups[o](d, k) is not None else "")
-            for o, k in pairs))
+        lines.append(f"{label:>10} " + " ".join(cell(ups[o](d, k), "9.2f", "x") for o, k in pairs))
     lines.append(f"{'error':>10} " + " ".join(
-        cell(100 * (ups[o](p, k) / ups[o](m, k) - 1) if ups[o](m, k) else None, "+9.0f")
-        + ("%" if ups[o](m, k) else "") for o, k in pairs))
+        cell(100 * (ups[o](p, k) / ups[o](m, k) - 1) if ups[o](m, k) else None, "+9.0f", "%")
+        for o, k in pairs))
     if "SPMD" not in m:
         lines.append("(SPMD-only across both devices not timed: measured, the better is the "
                      "fast device alone)")
