@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -42,10 +43,33 @@ MALLOC_TUNABLES = ("glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:"
                    "glibc.malloc.trim_threshold=68719476736")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """`n` distinct ports free now on 127.0.0.1, outside the kernel's ephemeral range.
+
+    A port asked of the kernel (`bind(0)`) comes from the range it also hands out to
+    outgoing connections, and gloo opens many: a port picked there and bound later by a
+    worker (a coordinator, a transfer server at its first `device_put`) can be taken in
+    between, and the run then fails at that bind."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = map(int, f.read().split())
+    except (OSError, ValueError):
+        lo, hi = 32768, 60999
+    pool = range(10000, lo) if lo > 12000 else range(hi + 1, 65536)
+    pick, got = random.SystemRandom(), []
+    for _ in range(200 * n):
+        port = pick.choice(pool)
+        if port in got:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        got.append(port)
+        if len(got) == n:
+            return got
+    raise RuntimeError(f"no {n} free ports found in {pool.start}-{pool.stop - 1}")
 
 
 def cores() -> list[int]:
@@ -169,7 +193,7 @@ def run(task: str, kwargs: dict | None = None, *, processes: int = 2, timeout: f
     if pin and len(avail) < processes:
         raise RuntimeError(f"{processes} pinned processes need {processes} cores; "
                            f"this process may use {len(avail)} ({avail})")
-    port = free_port()
+    port, *transfer = free_ports(1 + processes)
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
              if not f.startswith("--xla_force_host_platform_device_count")]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "1",
@@ -179,7 +203,7 @@ def run(task: str, kwargs: dict | None = None, *, processes: int = 2, timeout: f
                                                     MALLOC_TUNABLES]))}
     spec = json.dumps({"task": task, "kwargs": kwargs or {}, "processes": processes,
                        "port": port, "cores": avail[:processes] if pin else None,
-                       "transfer": [free_port() for _ in range(processes)] if transfers else None,
+                       "transfer": transfer if transfers else None,
                        "path": sys.path, "parent": os.getpid()})
     procs = [subprocess.Popen([sys.executable, "-m", MODULE, spec, str(i)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

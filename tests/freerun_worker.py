@@ -12,6 +12,10 @@ every process) and the stages' islands.
 import os
 import sys
 
+from twoprocs import exit_on_error
+
+exit_on_error()
+
 pid, port, transfer, model = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
 counts = [int(c) for c in (sys.argv[5] if len(sys.argv) > 5 else "2").split(",")] * 2
 counts = counts[:2]

@@ -9,6 +9,10 @@ whether the plan was read from the plan cache, where `HAPSYNTH_PLAN_CACHE` names
 import os
 import sys
 
+from twoprocs import exit_on_error
+
+exit_on_error()
+
 pid, port, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["JAX_NUM_CPU_DEVICES"] = "2"

@@ -3,10 +3,6 @@ the schedule's order, values moved between stages by `jax.device_put`."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -14,6 +10,7 @@ import numpy as np
 import pytest
 
 import hapsynth as hs
+import twoprocs
 from hapsynth.api import state_arity
 from hapsynth.lower.devices import local_devices
 from hapsynth.lower.freerun import FreeRunning
@@ -179,12 +176,6 @@ def _program(step, args, cluster, plan):
     return par._programs[next(iter(par._programs))], plan
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow  # two processes (~20 s each)
 @pytest.mark.parametrize("devices", ["2", "3", "2,6"])
 def test_two_processes_run_a_pipeline_free(devices):
@@ -196,20 +187,11 @@ def test_two_processes_run_a_pipeline_free(devices):
     With 2 devices on one process and 6 on the other, what crosses goes a piece per
     receiving device (`lower/moves.py`), and the plan and results are shared over
     processes of unequal device counts."""
-    ports = [_free_port() for _ in range(3)]
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), str(ports[0]),
-                               str(ports[1 + i]), "gpt", devices],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-             for i in range(2)]
-    try:
-        outs = [p.communicate(timeout=240)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    outs = twoprocs.run(lambda ports: [[str(WORKER), str(i), str(ports[0]), str(ports[1 + i]),
+                                        "gpt", devices] for i in range(2)], n=3)
     counts = [int(c) for c in devices.split(",")] * 2
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, out[-3000:]
+    for rc, out in outs:
+        assert rc == 0, out[-3000:]
         line = [ln for ln in out.splitlines() if ln.startswith("MAXERR")][-1]
         assert float(line.split()[1]) < 2e-3, line
         assert "RUNTIME free" in line and "LOWERED FreeRunning" in line, line

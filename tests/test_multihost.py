@@ -1,39 +1,26 @@
 """Two processes on 127.0.0.1 run the same parallelized step with jax.distributed."""
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+import twoprocs
+from hapsynth_bench.launch import free_ports
+
 WORKER = Path(__file__).with_name("multihost_worker.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch(mode: str, **extra):
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "HAPSYNTH_PLAN_CACHE")} | extra
-    return [subprocess.Popen([sys.executable, str(WORKER), str(i), str(port), mode],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-            for i in range(2)]
+def _argv(mode: str):
+    return lambda ports: [[str(WORKER), str(i), str(ports[0]), mode] for i in range(2)]
 
 
 @pytest.mark.slow
 def test_two_processes_match_single_device():
-    procs = _launch("run")
-    outs = [p.communicate(timeout=240)[0] for p in procs]
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, out[-3000:]
+    for rc, out in twoprocs.run(_argv("run"), n=1):
+        assert rc == 0, out[-3000:]
         line = [ln for ln in out.splitlines() if ln.startswith("MAXERR")][-1]
         err, uneven = float(line.split()[1]), line.split()[3] == "True"
         assert err < 2e-3, line
@@ -47,10 +34,8 @@ def test_two_processes_read_a_cached_plan_back(tmp_path):
     """With a plan cache, process 0 files the plan the first run makes; a second run
     reads it back, shares it with process 1, and both still match one-device `jit`."""
     for run, cached in enumerate(("False", "True")):
-        procs = _launch("run", HAPSYNTH_PLAN_CACHE=str(tmp_path))
-        for p in procs:
-            out = p.communicate(timeout=240)[0]
-            assert p.returncode == 0, out[-3000:]
+        for rc, out in twoprocs.run(_argv("run"), n=1, HAPSYNTH_PLAN_CACHE=str(tmp_path)):
+            assert rc == 0, out[-3000:]
             line = [ln for ln in out.splitlines() if ln.startswith("MAXERR")][-1]
             assert float(line.split()[1]) < 2e-3 and line.split()[9] == cached, (run, line)
         assert len(list(tmp_path.glob("*.json"))) == 2  # (the synthesized and the DP plan)
@@ -58,14 +43,23 @@ def test_two_processes_read_a_cached_plan_back(tmp_path):
 
 @pytest.mark.slow
 def test_a_dead_process_makes_the_other_fail_not_hang():
-    procs = _launch("die")
+    procs = twoprocs.start(_argv("die")(free_ports(1)))
     t0 = time.monotonic()
-    out1 = procs[1].communicate(timeout=240)[0]
-    assert procs[1].returncode == 3, out1[-2000:]
+    procs[1].wait(timeout=240)
+    assert procs[1].returncode == 3, twoprocs.output(procs[1])[-2000:]
     try:
-        out0 = procs[0].communicate(timeout=180)[0]
+        procs[0].wait(timeout=180)
     except subprocess.TimeoutExpired:
         procs[0].kill()
         pytest.fail("the surviving process hung instead of failing")
-    assert procs[0].returncode != 0, out0[-2000:]
+    assert procs[0].returncode != 0, twoprocs.output(procs[0])[-2000:]
     assert time.monotonic() - t0 < 200
+
+
+def test_free_ports_lie_outside_the_ephemeral_range():
+    """The workers' ports are picked where the kernel never hands out a connection's own
+    port (gloo opens many between the pick and a worker's bind)."""
+    lo, hi = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    ports = free_ports(50)
+    assert len(set(ports)) == 50
+    assert not any(lo <= p <= hi for p in ports), (lo, hi, ports)
