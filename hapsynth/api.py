@@ -25,7 +25,7 @@ from hapsynth.plancache import PlanCache
 from hapsynth.synth.plan import Plan
 from hapsynth.synth.subsets import candidates, on_fewer_devices
 from hapsynth.synth.synthesize import (InfeasibleMemory, NoDataParallelism, Options,
-                                       check_runtime, data_parallel_plan, synthesize,
+                                       check_runtime, data_parallel_plan, spmd_kept, synthesize,
                                        with_pipeline)
 
 STRATEGIES = ("auto", "data-parallel")
@@ -357,9 +357,8 @@ def sooner(plan: Plan, other: Plan | None, pipeline, min_gain: float) -> Plan:
     why = [p.solver["pipeline"] for p in (plan, other) if p.solver.get("pipeline")]
     if not best.stages and "SPMD" not in best.baselines and "pipeline" not in solver and (
             piped or why):  # a plan made without pipelines in view: why none was kept
-        solver = {**solver, "pipeline": why[0] if not piped else (
-            f"SPMD prices better: {best.predicted_step_time:.4g} s vs the best pipeline's "
-            f"{piped[0].predicted_step_time:.4g} s")}
+        solver = {**solver, "pipeline": why[0] if not piped else spmd_kept(
+            best.predicted_step_time, piped[0].predicted_step_time, min_gain)}
     if best.stages and alone < spmd_time(best):
         solver = {**solver, "pipeline": f"{solver.get('pipeline', '')}; SPMD-only with "
                                         f"activations recomputed {alone:.4g} s"}

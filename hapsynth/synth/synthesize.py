@@ -255,6 +255,15 @@ def _number(x):
     return None if x is None or x is False or x != x else float(x)
 
 
+def spmd_kept(spmd: float, pipe: float, min_gain: float, how: str = "") -> str:
+    """Why SPMD was kept over the best pipeline: it prices better, or the pipeline's gain
+    is below `min_gain`."""
+    if pipe >= spmd:
+        return f"SPMD prices better: {spmd:.4g} s vs the best pipeline's {pipe:.4g} s{how}"
+    return (f"SPMD kept: the best pipeline's {pipe:.4g} s{how} is {1 - pipe / spmd:.1%} "
+            f"faster than SPMD's {spmd:.4g} s, under min_gain {min_gain:.0%}")
+
+
 def check_runtime(runtime) -> None:
     """`pipeline_runtime` is "auto", "ticks" or "free" (see `with_pipeline`)."""
     if runtime not in ("auto", "ticks", "free"):
@@ -374,8 +383,8 @@ def with_pipeline(graph: Graph, cluster: Cluster, spmd: Plan | None, *, num_stat
         return keep(why)
     if spmd is not None and pipeline is not True \
             and pipe.step > spmd.predicted_step_time * (1 - min_gain):
-        return keep(f"SPMD prices better: {spmd.predicted_step_time:.4g} s vs the best pipeline's "
-                    f"{pipe.step:.4g} s ({pipe.kind}, {pipe.micros} microbatches)")
+        return keep(spmd_kept(spmd.predicted_step_time, pipe.step, min_gain,
+                              f" ({pipe.kind}, {pipe.micros} microbatches)"))
     if spmd is None:
         spmd = replace(dp, predicted_step_time=float("nan"))
     plan = as_plan(pipe, dp, spmd, cluster, runtime="free" if pipe is free else "ticks")
