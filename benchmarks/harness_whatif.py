@@ -4,12 +4,12 @@ prices over emulated speed ratios and link bandwidths, nothing run.
     .venv/bin/python benchmarks/harness_whatif.py --model gpt --config small
     .venv/bin/python benchmarks/harness_whatif.py --model mlp --config paper --ratios 1 2
     .venv/bin/python benchmarks/harness_whatif.py --model vit --config paper --batch 32 \
-        --from benchmarks/pipeline_measured_vit_2026-12-06.json
+        --from benchmarks/results/pipeline_vit.json
     .venv/bin/python -m hapsynth_bench.harness_whatif ...        (the same, installed)
 
 The harness's cluster (`pipeline_bench._islands`: two islands of one CPU device each) at
-the fast device's rates as a committed measurement calibrated them (the newest
-`pipeline_measured*.json` of the model, or `--from`), its slow device `ratio` times
+the fast device's rates as a committed measurement calibrated them (the model's row in
+`benchmarks/results/pipeline_*.json`, or `--from`), its slow device `ratio` times
 slower, joined by a link of each bandwidth (as a step sees it; its latency and the
 fixed per-step cost the measurement's). Per cell: the best
 SPMD-only plan over both devices, the fast device alone, and the best pipeline
@@ -23,7 +23,6 @@ import argparse
 import glob
 import json
 import os
-import re
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -34,28 +33,31 @@ if not __package__:  # run as a script: this folder's modules are the package ha
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")  # the measured rows RESULTS.md's tables use
 
 
 def calibration(model: str, config: str, path: str | None = None) -> dict:
-    """The newest committed harness row of `model-config` (or the row at `path`)."""
+    """The committed harness row of `model-config` (or the row at `path`): the one in
+    `results/pipeline_<model>.json` before any other file of `results/` holding it (such
+    as `pipeline_<model>_loopback.json`)."""
     if path:
         return json.load(open(path))
     rows = {}
-    for f in glob.glob(os.path.join(HERE, "pipeline_measured*.json")):
+    for f in glob.glob(os.path.join(RESULTS, "pipeline_*.json")):
         r = json.load(open(f))
         if r.get("model") == f"{model}-{config}" and "calibration" in r:
-            dated = re.search(r"(\d{4}-\d\d-\d\d[a-z]?)\.json$", f)
-            rows[dated.group(1) if dated else ""] = r  # by its date and letter
+            rows[(os.path.basename(f) != f"pipeline_{model}.json", os.path.basename(f))] = r
     if not rows:
-        raise SystemExit(f"no committed harness row of {model}-{config}: pass --from ROW.json")
-    return rows[max(rows)]
+        raise SystemExit(f"no committed harness row of {model}-{config} in {RESULTS}: "
+                         "pass --from ROW.json")
+    return rows[min(rows)]
 
 
 def sweep(model: str, config: str, ratios, bandwidths, row: dict, time_limit: float = 5.0,
           batch: int | None = None):
     import jax
 
-    from hapsynth.api import make_plan
+    from hapsynth.synth.choose import make_plan
     from hapsynth.ir import lift
     from hapsynth.models import get
     from hapsynth_bench.pipeline_bench import _islands

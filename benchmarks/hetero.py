@@ -139,7 +139,7 @@ def measure(model: str, config: str, ratios, reps: int, time_limit: float,
     import numpy as np
 
     from hapsynth import profile
-    from hapsynth.api import synthesize_once
+    from hapsynth.synth.once import synthesize_once
     from hapsynth.ir import lift
     from hapsynth.lower.program import Lowered
     from hapsynth.models import get

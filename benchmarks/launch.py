@@ -122,7 +122,7 @@ def agreed(value):
     different programs abort inside gloo on mismatched messages."""
     import jax
 
-    from hapsynth.api import from_process_zero
+    from hapsynth.lower.moves import from_process_zero
 
     if jax.process_count() == 1:
         return value
@@ -158,7 +158,7 @@ def agreed_plan(make):
     the others do not plan."""
     import jax
 
-    from hapsynth.api import from_process_zero
+    from hapsynth.lower.moves import from_process_zero
     from hapsynth.synth.plan import Plan
 
     if jax.process_count() == 1:

@@ -77,7 +77,7 @@ MODELS = {"rnn": rnn, "scan_gpt": gpt}
 def measure(name: str, cluster_name: str, reps: int) -> dict:
     from test_lowering import CLUSTERS
 
-    from hapsynth.api import signature_of
+    from hapsynth.args import signature_of
     from hapsynth.lower.devices import local_devices
     from hapsynth.lower.program import Lowered
 

@@ -114,7 +114,7 @@ def measure(model: str, config: str, ratio: float, reps: int, time_limit: float,
 
     from hapsynth import profile
     from hapsynth._jax import moves_across_processes
-    from hapsynth.api import make_plan
+    from hapsynth.synth.choose import make_plan
     from hapsynth.ir import lift
     from hapsynth.lower.freerun import FreeRunning
     from hapsynth.lower.pipeline import Pipelined

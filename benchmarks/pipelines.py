@@ -49,14 +49,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.p
 import jax  # noqa: E402
 
 import hapsynth as hs  # noqa: E402
-from hapsynth.api import state_arity  # noqa: E402
+from hapsynth.args import state_arity  # noqa: E402
 from hapsynth.ir import lift_program, trace  # noqa: E402
 from hapsynth.ir.cse import merge_recomputed  # noqa: E402
 from hapsynth.ir.unroll import written_out  # noqa: E402
 from hapsynth.models import ZOO, get  # noqa: E402
-from hapsynth.synth.pipeline import SCHEDULES, islands_differ, plan_pipeline, plan_vshape  # noqa: E402
+from hapsynth.synth.pipeline import SCHEDULES, plan_pipeline, plan_vshape  # noqa: E402
+from hapsynth.synth.stagegroups import islands_differ  # noqa: E402
 from hapsynth.synth.stages import NotPipelineable, analyse  # noqa: E402
-from hapsynth.api import make_plan  # noqa: E402
+from hapsynth.synth.choose import make_plan  # noqa: E402
 from hapsynth.synth.synthesize import InfeasibleMemory, data_parallel_plan  # noqa: E402
 
 

@@ -131,7 +131,7 @@ RUNS = [pytest.param(n, c, marks=() if (n, c) in DEFAULT_RUNS else pytest.mark.s
 
 def _n_state_args(step, args) -> int:
     """The leading arguments the step hands back updated (the rest is the batch)."""
-    from hapsynth.api import state_arity
+    from hapsynth.args import state_arity
 
     return state_arity(step, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args))
 

@@ -205,7 +205,7 @@ def _agree():
     rank = jax.process_index()
     got = launch.agreed({"rank": rank, "measured": 0.1 + rank})
 
-    from hapsynth.api import make_plan
+    from hapsynth.synth.choose import make_plan
     from hapsynth.ir import lift
 
     step, args = get("mlp", "tiny", devices=2)

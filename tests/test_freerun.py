@@ -11,11 +11,12 @@ import pytest
 
 import hapsynth as hs
 import twoprocs
-from hapsynth.api import state_arity
+from hapsynth.args import state_arity
 from hapsynth.lower.devices import local_devices
 from hapsynth.lower.freerun import FreeRunning
 from hapsynth.models import get
 from hapsynth.synth import pipeline as P
+from hapsynth.synth.pipeplan import as_plan
 from test_lowering import compare
 from test_pipeline import _regions, four_islands, two_islands
 
@@ -32,7 +33,7 @@ def _free_plan(step, args, cluster, shape: str, whole_islands: bool = False):
     else:
         pipe = P.plan_pipeline(graph, cluster, regions, dp.tensor_layouts, n, whole=False,
                                free_running=True, whole_islands=whole_islands)
-    return pipe, P.as_plan(pipe, dp, dp, cluster, runtime="free")
+    return pipe, as_plan(pipe, dp, dp, cluster, runtime="free")
 
 
 def _equals_jit(par, step, args, steps: int = 3):
@@ -257,7 +258,7 @@ def test_scan_over_layers_runs_free_equal_one_device(monkeypatch):
     layers on one stage, test_a_steps_own_recomputation_is_undone_in_a_pipeline.)"""
     from test_elsewhere import get as elsewhere
 
-    monkeypatch.setattr("hapsynth.api.merge_recomputed", lambda prog: None)
+    monkeypatch.setattr("hapsynth.synth.recompute.merge_recomputed", lambda prog: None)
     step, args = elsewhere("scan_gpt")
     cluster = two_islands()
     par = hs.parallelize(step, cluster=cluster, pipeline=True, time_limit=1,
@@ -307,7 +308,7 @@ def test_a_steps_own_recomputation_is_undone_in_a_pipeline(model, monkeypatch):
     _equals_jit(par, step, args)
     again = hs.parallelize(step, cluster=cluster, plan=hs.Plan.from_json(plan.to_json()))
     _equals_jit(again, step, args)
-    monkeypatch.setattr("hapsynth.api.merge_recomputed", lambda prog: None)
+    monkeypatch.setattr("hapsynth.synth.recompute.merge_recomputed", lambda prog: None)
     kept = plan_of().plan(*args)  # the recomputation as written
     assert "merged" not in kept.pipeline
     assert sum(st["ops"] for st in plan.stages) < sum(st["ops"] for st in kept.stages)
@@ -334,7 +335,7 @@ def test_stages_of_unequal_device_counts_run_free(model, shape, v100s):
     assert isinstance(par.lowered(*args), FreeRunning)
     _equals_jit(par, step, args)
     with pytest.raises(ValueError, match="runs free only"):
-        P.as_plan(pipe, plan, plan, cluster, runtime="ticks")
+        as_plan(pipe, plan, plan, cluster, runtime="ticks")
 
 
 @pytest.mark.parametrize("model,shape", [("mlp", "straight"), ("gpt", "V")])

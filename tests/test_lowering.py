@@ -256,7 +256,7 @@ def test_both_loop_forms_equal_one_device(form):  # "body", the default, runs ev
     """A scan over time lowered either way (benchmarks/loops.py times them) gives the
     single-device step's results; the branch form is taken by both scans (forward and
     backward), whose bodies need no collective."""
-    from hapsynth.api import signature_of
+    from hapsynth.args import signature_of
     from hapsynth.lower.program import Lowered
     from hapsynth_bench.loops import rnn
 

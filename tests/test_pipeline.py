@@ -13,13 +13,15 @@ import optax
 import pytest
 
 import hapsynth as hs
-from hapsynth.api import state_arity
+from hapsynth.args import state_arity
 from hapsynth.ir import lift_program, trace
 from hapsynth.lower.packing import dtype_of
 from hapsynth.models import get
-from hapsynth.synth.pipeline import SCHEDULES, late_ticks, stage_parts, ticks
+from hapsynth.synth.lockstep import late_ticks, ticks
+from hapsynth.synth.pipeline import SCHEDULES
 from hapsynth.synth.pipeschedule import schedule
 from hapsynth.synth.slots import wire_rounds
+from hapsynth.synth.stagegroups import stage_parts
 from hapsynth.synth.stages import NotPipelineable, analyse, stage_of
 from hapsynth.synth.synthesize import data_parallel_plan
 
@@ -543,8 +545,11 @@ def test_one_stage_over_every_device_is_gradient_accumulation():
     a step (gradient accumulation across the islands). `whole=True` returns the better
     of it and the pipelines; lowered (every device holding rows), it equals `jit` over 3
     steps; `pipeline=True` asks for two stages or more."""
-    from hapsynth.synth.pipeline import (_cheapest, _Costs, _Evaluator, as_plan, plan_pipeline,
-                                         stage_groups)
+    from hapsynth.synth.opcosts import OpCosts as _Costs
+    from hapsynth.synth.pipeline import _cheapest, plan_pipeline
+    from hapsynth.synth.pipeplan import as_plan
+    from hapsynth.synth.pipeprice import Pricer as _Evaluator
+    from hapsynth.synth.stagegroups import stage_groups
     from test_lowering import compare
     step, args = get("gpt", "tiny")
     # batch 32 (16 more rows, the first 16 reversed): 16 rows a microbatch at 2
@@ -591,7 +596,8 @@ def test_a_stage_is_priced_at_the_whole_rows_its_devices_hold():
     fast)."""
     from hapsynth.ir.graph import Cost
     from hapsynth.synth.costmodel import compute_time
-    from hapsynth.synth.pipeline import _Costs, rows_of, stage_groups
+    from hapsynth.synth.opcosts import OpCosts as _Costs
+    from hapsynth.synth.stagegroups import rows_of, stage_groups
     step, args = get("gpt", "tiny")
     cluster = two_islands()
     graph, dp, r, n = _regions(step, args, cluster)
@@ -874,7 +880,9 @@ def test_ticks_are_priced_as_the_loop_runs_them():
     backwards in one permute, both ways at once), whichever is longer, and readers sit a tick later; GPU clusters get the cheaper of the
     two. Either way the step adds the parameter copies before the loop and the
     once-per-step work after it (the tied embedding's copy and gradient here)."""
-    from hapsynth.synth.pipeline import _Costs, _Evaluator, lockstep
+    from hapsynth.synth.lockstep import lockstep
+    from hapsynth.synth.opcosts import OpCosts as _Costs
+    from hapsynth.synth.pipeprice import Pricer as _Evaluator
     step, args = get("gpt", "tiny")
     cluster = two_islands("1Gbps")
     assert all(c.type != "CPU" for c in cluster.classes)
@@ -936,7 +944,8 @@ def test_free_running_pricing_drops_only_the_lock_step():
     """`free_running` prices each stage's next work as soon as it is ready (what the lock
     step of the lowering's ticks costs, for comparison): at the same cut and order never
     slower, the copy of the tied embedding still delaying the stage reading it."""
-    from hapsynth.synth.pipeline import _Costs, _Evaluator
+    from hapsynth.synth.opcosts import OpCosts as _Costs
+    from hapsynth.synth.pipeprice import Pricer as _Evaluator
     step, args = get("gpt", "tiny")
     cluster = two_islands("1Gbps")
     graph, dp, r, n = _regions(step, args, cluster)
@@ -960,7 +969,8 @@ def test_free_running_pricing_drops_only_the_lock_step():
 def test_pricing_counts_each_crossing_once():
     """A tensor read by several ops of the next stage is priced as one transfer, the
     size of what the lowering sends."""
-    from hapsynth.synth.pipeline import _Costs, _Evaluator
+    from hapsynth.synth.opcosts import OpCosts as _Costs
+    from hapsynth.synth.pipeprice import Pricer as _Evaluator
     step, args = get("gpt", "tiny")
     cluster = two_islands()
     graph, dp, r, n = _regions(step, args, cluster)
@@ -976,7 +986,7 @@ def test_pricing_counts_each_crossing_once():
                 and st[producer[t]] == 1}
     want = sum(graph.tensors[t].nbytes for t, ph in crossing
                if not r.forward[producer[t]])
-    assert sc["send"][1, 0, 1] == want
+    assert sc.send[1, 0, 1] == want
 
 
 def _residual_for_backward_alone():
@@ -1030,7 +1040,8 @@ def test_what_crosses_a_cut_is_priced_as_the_lowering_sends_and_keeps_it(which):
 
     from hapsynth.lower.devices import local_devices
     from hapsynth.lower.pipeline import Pipelined
-    from hapsynth.synth.pipeline import _Costs, _Evaluator
+    from hapsynth.synth.opcosts import OpCosts as _Costs
+    from hapsynth.synth.pipeprice import Pricer as _Evaluator
 
     step, args, cluster = {
         "gpt": lambda: (*get("gpt", "tiny"), two_islands()),
@@ -1058,12 +1069,12 @@ def test_what_crosses_a_cut_is_priced_as_the_lowering_sends_and_keeps_it(which):
                 dests = {phb: xs for (bb, phb), xs in low.sends.get((a, ph), {}).items()
                          if bb == b}
                 sent = set().union(*dests.values())
-                assert sc["send"][a, b, way] == nbytes(sent), (cuts, a, b, ph)
+                assert sc.send[a, b, way] == nbytes(sent), (cuts, a, b, ph)
                 if sent:
-                    assert sc["readers"][(a, b, way)] == sorted(dests), (cuts, a, b, ph)
+                    assert sc.readers[(a, b, way)] == sorted(dests), (cuts, a, b, ph)
                     seen["backward alone"] += ph == "F" and "B" in dests
         for s in range(S):
-            assert sc["resid"][s] == nbytes(low.keeps[s]), (cuts, s)
+            assert sc.resid[s] == nbytes(low.keeps[s]), (cuts, s)
             own = set(low.reads.get((s, "B"), {}).get((s, "F"), ()))
             seen["both"] += bool(set(low.keeps[s]) - own)
     # some cut sends a value both phases read (gpt), or one a backward reads alone
@@ -1074,7 +1085,8 @@ def test_a_group_of_devices_keeps_the_values_of_all_its_stages():
     """In a V's lock step the group running two stages runs both in a tick, each keeping
     its values in a pool of its own: the priced pools hold, at every tick, every
     microbatch kept on the group and not yet back (they were sized as one stage's)."""
-    from hapsynth.synth.pipeline import _Evaluator, lockstep
+    from hapsynth.synth.lockstep import lockstep
+    from hapsynth.synth.pipememory import buffer_bytes, messages
     from hapsynth.synth.slots import tick_tables
 
     place, fwd, bwd = (0, 1, 0), [1.0, 2.0, 1.0], [2.0, 4.0, 2.0]
@@ -1085,8 +1097,8 @@ def test_a_group_of_devices_keeps_the_values_of_all_its_stages():
         b = {(s, m): t for t, s, m, ph in rows if ph == "B"}
         live = max(sum(1 for k in f if place[k[0]] == 0 and f[k] <= t <= b[k])
                    for t in range(max(r[0] for r in rows) + 1))
-        pool = _Evaluator._buffers(None, sch, 0, np.zeros((3, 3, 2)), [1.0] * 3, [(1,)] * 3,
-                                   [(0,), (1,), (0,)], [1.0] * 3, {}, [[0, 2], [1]])
+        pool = buffer_bytes(sch, 0, messages(np.zeros((3, 3, 2)), [1.0] * 3, [(1,)] * 3,
+                                             [(0,), (1,), (0,)], {}), [1.0] * 3, [[0, 2], [1]])
         assert pool >= live, (kind, pool, live)
         if kind == "gpipe":  # a pool sized for one stage's keeps would not hold them
             assert live > tick_tables(rows, 3, [True] * 3, {}).keep_slots + 1
@@ -1121,7 +1133,8 @@ def test_bf16_gradients_are_summed_over_microbatches_in_float32():
     bf16 running sum rounds at every microbatch, where one step on one device rounds
     once), summed over the stage's devices in float32, cast back once for the optimizer;
     the pricing counts those float32 buffers. The step equals `jit` on one device."""
-    from hapsynth.synth.pipeline import _Costs, _Evaluator
+    from hapsynth.synth.opcosts import OpCosts as _Costs
+    from hapsynth.synth.pipeprice import Pricer as _Evaluator
 
     def step(params, x):
         def loss(p):
@@ -1155,7 +1168,7 @@ def test_bf16_gradients_are_summed_over_microbatches_in_float32():
                     dp.tensor_layouts)
     order = tuple(next(k for k, d in enumerate(parts) if list(d) == st["devices"])
                   for st in plan.stages)
-    sums = ev.scan(order, tuple(plan.pipeline["cuts"]))["sums"]
+    sums = ev.scan(order, tuple(plan.pipeline["cuts"])).sums
     assert sums == sum(m * np.dtype(dtype_of(k)).itemsize
                        for ph in "FB" for k, m in low.acc_sizes[ph].items())
 
@@ -1166,7 +1179,8 @@ def test_the_sums_are_priced_as_the_lowering_allocates_and_adds_them():
     an add over the buffers it writes into (read twice, written once) at memory speed,
     not over the other stages' (the paper MLP's loss stage was priced 133 ms a backward
     for the 234 MB of gradients it never adds)."""
-    from hapsynth.synth.pipeline import _Costs, _Evaluator
+    from hapsynth.synth.opcosts import OpCosts as _Costs
+    from hapsynth.synth.pipeprice import Pricer as _Evaluator
     step, args = get("gpt", "tiny")
     cluster = two_islands()
     plan = hs.parallelize(step, cluster=cluster, pipeline=True, pipeline_runtime="ticks", time_limit=1).plan(*args)
@@ -1180,18 +1194,18 @@ def test_the_sums_are_priced_as_the_lowering_allocates_and_adds_them():
     sc = ev.scan(order, cuts)
     size = {ph: sum(m * np.dtype(dtype_of(k)).itemsize for k, m in low.acc_sizes[ph].items())
             for ph in "FB"}
-    assert len(low.acc_sizes["B"]) > 2 and sc["sums"] == size["F"] + size["B"]
+    assert len(low.acc_sizes["B"]) > 2 and sc.sums == size["F"] + size["B"]
     written = [sum(low.acc_sizes["B"][k] * np.dtype(dtype_of(k)).itemsize
                    for k in {b for b, _, _ in low.acc_packing["B"][s].slots.values()})
                for s in range(len(order))]
-    assert sc["added"] == written and min(written) < max(written) <= size["B"]
+    assert sc.added == written and min(written) < max(written) <= size["B"]
     M = plan.pipeline["micros"]
     p = ev.price(order, cuts, M, plan.pipeline["schedule"])
     for s, k in enumerate(order):
         bw = min(cluster.device_class(d).mem_bandwidth for d in parts[k])
         assert p.backward[s] >= 3 * written[s] / bw
     slow = _Evaluator(graph, cluster, r, n, _Costs(graph, cluster, r, parts, dp.tensor_layouts), dp.tensor_layouts)
-    slow.scan(order, cuts)["added"] = [2 * x for x in written]
+    slow._scans[order, cuts] = replace(slow.scan(order, cuts), added=[2 * x for x in written])
     q = slow.price(order, cuts, M, plan.pipeline["schedule"])
     for s, k in enumerate(order):
         bw = min(cluster.device_class(d).mem_bandwidth for d in parts[k])
@@ -1203,8 +1217,9 @@ def test_a_stage_keeping_nothing_is_not_capped_by_the_keep_pool():
     """The keep pool's memory caps the microbatches in flight on stages that keep
     something for their backward; a stage keeping nothing takes no slot, whatever its
     depth (capped too, hetero-1F1B could not choose plain 1F1B's depths beside it)."""
-    import hapsynth.synth.pipeline as pipeline
-    from hapsynth.synth.pipeline import _Costs, _Evaluator
+    import hapsynth.synth.pipeprice as pipeline
+    from hapsynth.synth.opcosts import OpCosts as _Costs
+    from hapsynth.synth.pipeprice import Pricer as _Evaluator
     step, args = get("gpt", "tiny")
     cluster = two_islands()
     graph, dp, r, n = _regions(step, args, cluster)
@@ -1212,7 +1227,7 @@ def test_a_stage_keeping_nothing_is_not_capped_by_the_keep_pool():
     ev = _Evaluator(graph, cluster, r, n, _Costs(graph, cluster, r, parts, dp.tensor_layouts), dp.tensor_layouts)
     cut = (r.cut_points()[0],)
     sc = ev.scan((0, 1), cut)
-    assert sc["resid"][0] == 0 < sc["resid"][1]
+    assert sc.resid[0] == 0 < sc.resid[1]
     caps = []
     real = pipeline.schedule
 
@@ -1233,7 +1248,9 @@ def test_cut_points_are_priced_by_what_crosses_them():
     """The bytes a cut sends one way, for shortlisting cuts where little crosses: the
     backward of a 2-stage cut matches the pricing scan; every cut between sub-blocks
     sends the residual stream alone, and others send more (a block cut inside)."""
-    from hapsynth.synth.pipeline import _Costs, _crossing, _Evaluator
+    from hapsynth.synth.opcosts import OpCosts as _Costs
+    from hapsynth.synth.pipeline import _crossing
+    from hapsynth.synth.pipeprice import Pricer as _Evaluator
     step, args = get("gpt", "tiny")
     cluster = two_islands()
     graph, dp, r, n = _regions(step, args, cluster)
@@ -1255,7 +1272,7 @@ def test_cut_points_are_priced_by_what_crosses_them():
         ahead = {t for op in graph.ops if r.region[op.id] == "micro" and st[op.id] == 1
                  for t in op.inputs if t in producer and r.region[producer[t]] == "micro"
                  and st[producer[t]] == 0}  # made before the cut, read after: each once
-        back = ev.scan((0, 1), cut)["send"][1, 0, 1]
+        back = ev.scan((0, 1), cut).send[1, 0, 1]
         assert got[k] == max(sum(graph.tensors[t].nbytes for t in ahead), back) > 0
 
 
@@ -1264,7 +1281,8 @@ def test_a_gradient_rearranged_for_its_parameter_is_summed_as_the_optimizer_read
     per microbatch, on the stage making it, and summed in the shape the optimizer reads:
     read transposed once after the microbatches, the optimizer ran several times slower
     on XLA's CPU backend. The sums and their price follow."""
-    from hapsynth.synth.pipeline import _Costs, _Evaluator
+    from hapsynth.synth.opcosts import OpCosts as _Costs
+    from hapsynth.synth.pipeprice import Pricer as _Evaluator
     from hapsynth.synth.stages import LAYOUT_ONLY
     step, args = get("gpt", "tiny")
     cluster = two_islands()
@@ -1295,8 +1313,8 @@ def test_a_gradient_rearranged_for_its_parameter_is_summed_as_the_optimizer_read
     for s in (0, 1):
         mine = [i for i in range(len(graph.ops)) if r.region[i] == "micro" and r.rank[i] >= 0
                 and not r.forward[i] and stage_of(r.rank[i], cut) == s]
-        assert sc["nops"][s][1] == len(set(mine) - r.folded) < len(mine)
-        assert sc["bwd"][s] == [i for i in mine if i not in r.folded]
+        assert sc.nops[s][1] == len(set(mine) - r.folded) < len(mine)
+        assert sc.bwd[s] == [i for i in mine if i not in r.folded]
         assert ev.work((0, 1), cut, 2)[1][s] == pytest.approx(
             sum(costs.micro(i, s, 2) for i in mine if i not in r.folded))
 
@@ -1308,9 +1326,10 @@ def test_large_state_leaves_have_buffers_of_their_own_priced_as_allocated(monkey
     and written into a copy of it), the pricing counts the bytes it allocates, and the
     state round-trips exactly."""
     import hapsynth.lower.pipeline as lowering
-    import hapsynth.synth.pipeline as pricing
+    import hapsynth.synth.cutscan as pricing
     from hapsynth.lower.packing import Packing, bundle
-    from hapsynth.synth.pipeline import _Costs, _Evaluator
+    from hapsynth.synth.opcosts import OpCosts as _Costs
+    from hapsynth.synth.pipeprice import Pricer as _Evaluator
     from hapsynth.synth.slots import packed_bytes
     a = Packing([("b", (3,), "float32"), ("w", (4, 5), "float32"), ("v", (6,), "float32"),
                  ("c", (2,), "float32")], apart=24)
@@ -1339,7 +1358,7 @@ def test_large_state_leaves_have_buffers_of_their_own_priced_as_allocated(monkey
     order = tuple(next(k for k, d in enumerate(parts) if list(d) == st["devices"])
                   for st in plan.stages)
     sc = ev.scan(order, tuple(plan.pipeline["cuts"]))
-    assert sc["state"] == sum(m * np.dtype(dtype_of(k)).itemsize
+    assert sc.state == sum(m * np.dtype(dtype_of(k)).itemsize
                               for k, m in low.state_sizes.items())
     staged = jax.tree.leaves(low.shard(*args)[:2], is_leaf=lambda v: isinstance(v, hs.Staged))
     for x, y in zip(jax.tree.leaves(args[:2]), staged):
@@ -1355,7 +1374,8 @@ def test_hetero_1f1b_keeps_fewer_in_flight_where_its_deepest_does_not_fit():
     """hetero-1F1B's depth search bounds its keep pool; its mailboxes and wires grow with
     its depths too, so where the deepest schedule does not fit, a shallower one that does
     is priced, never worse than plain 1F1B."""
-    from hapsynth.synth.pipeline import _Costs, _Evaluator
+    from hapsynth.synth.opcosts import OpCosts as _Costs
+    from hapsynth.synth.pipeprice import Pricer as _Evaluator
     step, args = get("gpt", "tiny")
 
     def evaluator(memory=None):
@@ -1401,7 +1421,7 @@ def test_every_microbatch_reads_the_weights_whole():
     weight's gradient) whole: M microbatches touch them M times. Priced on a cluster
     where memory binds, M microbatches of a matmul cost M - 1 more reads of its weight
     than the whole batch at once; an elementwise op on the rows alone costs the same."""
-    from hapsynth.synth.pipeline import _Costs
+    from hapsynth.synth.opcosts import OpCosts as _Costs
     step, args = get("mlp", "tiny")
     cluster = hs.Cluster.simulated([("A100", 4, {"flops": "1PFLOP/s", "mem_bandwidth": "1GB/s"}),
                                     ("V100", 4, {"flops": "1PFLOP/s", "mem_bandwidth": "1GB/s"})],
@@ -1436,6 +1456,8 @@ def test_the_search_finds_the_best_cut_under_its_own_prices(fast, slow, kind):
     import itertools
 
     from hapsynth.synth import pipeline as P
+    from hapsynth.synth.opcosts import OpCosts as _Costs
+    from hapsynth.synth.pipeprice import Pricer as _Evaluator
 
     cluster = hs.Cluster.simulated([(fast, 4), (slow, 4)], devices_per_host=4,
                                    islands={"a": [fast], "b": [slow]},
@@ -1444,10 +1466,10 @@ def test_the_search_finds_the_best_cut_under_its_own_prices(fast, slow, kind):
     step, args = get("gpt", "tiny")
     graph, dp, regions, n = _regions(step, args, cluster)
     found = P.plan_pipeline(graph, cluster, regions, dp.tensor_layouts, n, kinds=(kind,))
-    islands, island_of_part = P.stage_parts(cluster)
+    islands, island_of_part = stage_parts(cluster)
     S = len(islands)
-    costs = P._Costs(graph, cluster, regions, islands, dp.tensor_layouts)
-    ev = P._Evaluator(graph, cluster, regions, n, costs, dp.tensor_layouts)
+    costs = _Costs(graph, cluster, regions, islands, dp.tensor_layouts)
+    ev = _Evaluator(graph, cluster, regions, n, costs, dp.tensor_layouts)
     every = []
     for perm in itertools.permutations(range(cluster.num_islands)):
         order = tuple(p for k in perm for p in range(S) if island_of_part[p] == k)
@@ -1469,16 +1491,20 @@ def test_a_v_shaped_pipeline_is_priced_with_its_ends_on_one_island():
     import itertools
 
     from hapsynth.synth import pipeline as P
+    from hapsynth.synth.opcosts import OpCosts as _Costs
+    from hapsynth.synth.pipeplan import as_plan
+    from hapsynth.synth.pipeprice import Pricer as _Evaluator
     from hapsynth.synth.slots import APART_BYTES, packed_bytes
+    from hapsynth.synth.stagegroups import stage_groups
 
     cluster = two_islands()
     step, args = get("gpt", "tiny")
     graph, dp, regions, n = _regions(step, args, cluster)
     found = P.plan_vshape(graph, cluster, regions, dp.tensor_layouts, n, kinds=("1f1b",),
                           keep=10**6)
-    parts, _ = P.stage_parts(cluster)
-    costs = P._Costs(graph, cluster, regions, P.stage_groups(cluster)[0], dp.tensor_layouts)
-    ev = P._Evaluator(graph, cluster, regions, n, costs, dp.tensor_layouts)
+    parts, _ = stage_parts(cluster)
+    costs = _Costs(graph, cluster, regions, stage_groups(cluster)[0], dp.tensor_layouts)
+    ev = _Evaluator(graph, cluster, regions, n, costs, dp.tensor_layouts)
     every = []
     for o, v in itertools.permutations(range(len(parts)), 2):
         for cuts in itertools.combinations(regions.cut_points(), 2):
@@ -1505,10 +1531,10 @@ def test_a_v_shaped_pipeline_is_priced_with_its_ends_on_one_island():
     assert vee.schedule.place == (0, 1, 0)
     assert vee.schedule.makespan >= vee.micros * (vee.forward[0] + vee.backward[0]
                                                   + vee.forward[2] + vee.backward[2])
-    held = ev.scan((0, 1, 0), vee.cuts)["held"]
+    held = ev.scan((0, 1, 0), vee.cuts).held
     assert vee.memory[0] >= packed_bytes([held[0] + held[2], held[1]], APART_BYTES)
     with pytest.raises(ValueError, match="runs free only"):  # not in one tick loop
-        P.as_plan(vee, dp, dp, cluster)
+        as_plan(vee, dp, dp, cluster)
     # in lock step a tick runs one work per stage, a group's stages one after another
     rows = ticks(vee.schedule)
     both = 0
@@ -1535,6 +1561,9 @@ def test_the_v_search_prices_each_island_pair_s_best_cuts_under_every_schedule()
     search must keep each group pair's best few to find it."""
     from hapsynth.ir.unroll import written_out
     from hapsynth.synth import pipeline as P
+    from hapsynth.synth.opcosts import OpCosts as _Costs
+    from hapsynth.synth.pipeprice import Pricer as _Evaluator
+    from hapsynth.synth.stagegroups import stage_groups
 
     cluster = hs.Cluster.load("a100x8-v100x8-islands-10g")
     step, args = get("gpt", "medium", devices=cluster.num_devices)
@@ -1549,8 +1578,8 @@ def test_the_v_search_prices_each_island_pair_s_best_cuts_under_every_schedule()
                 if cluster.classes[cluster.class_of(p[0])].name.startswith("A100"))
     found = P.plan_vshape(graph, cluster, regions, dp.tensor_layouts, n,
                           kinds=("hetero-1f1b",), free_running=True)
-    costs = P._Costs(graph, cluster, regions, P.stage_groups(cluster)[0], dp.tensor_layouts)
-    ev = P._Evaluator(graph, cluster, regions, n, costs, dp.tensor_layouts, free_running=True)
+    costs = _Costs(graph, cluster, regions, stage_groups(cluster)[0], dp.tensor_layouts)
+    ev = _Evaluator(graph, cluster, regions, n, costs, dp.tensor_layouts, free_running=True)
     vee = (a100, 1 - a100, a100)
     witness = ev.price(vee, (1228, 1846), 8, "hetero-1f1b")
     assert witness.fits and witness.ops[1] > 0
@@ -1565,13 +1594,15 @@ def test_the_search_s_floor_is_below_every_price(free):
     every schedule, straight and V-shaped, in the tick loop and run free."""
     import itertools
 
-    from hapsynth.synth import pipeline as P
+    from hapsynth.synth.opcosts import OpCosts as _Costs
+    from hapsynth.synth.pipeprice import Pricer as _Evaluator
+    from hapsynth.synth.stagegroups import stage_groups
     step, args = get("gpt", "tiny")
     cluster = four_islands()
     graph, dp, r, n = _regions(step, args, cluster)
     parts, _ = stage_parts(cluster)
-    costs = P._Costs(graph, cluster, r, P.stage_groups(cluster)[0], dp.tensor_layouts)
-    ev = P._Evaluator(graph, cluster, r, n, costs, dp.tensor_layouts, free)
+    costs = _Costs(graph, cluster, r, stage_groups(cluster)[0], dp.tensor_layouts)
+    ev = _Evaluator(graph, cluster, r, n, costs, dp.tensor_layouts, free)
     points = r.cut_points()
     rng = np.random.default_rng(0)
     ratios = []

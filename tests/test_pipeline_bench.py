@@ -7,8 +7,7 @@ import pytest
 
 from hapsynth_bench.pipeline_bench import best_spmd, format_row, timed_programs
 
-ROW = os.path.join(os.path.dirname(__file__), "..", "benchmarks",
-                   "pipeline_measured_mlp_2026-12-06e.json")
+ROW = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "pipeline_mlp.json")
 
 
 def test_a_row_with_every_program_timed_prints_each_speed_up():

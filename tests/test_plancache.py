@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 import hapsynth as hs
-from hapsynth import api
+from hapsynth.synth import recompute
 from hapsynth.ir import trace
 from hapsynth.models import get
 from hapsynth.plancache import ENV, PlanCache, program_key
@@ -24,7 +24,7 @@ def mixed() -> hs.Cluster:
 def _no_planning(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("planned again")
-    monkeypatch.setattr(api, "plan_program", refuse)
+    monkeypatch.setattr(recompute, "plan_program", refuse)
 
 
 def _fields(plan) -> dict:

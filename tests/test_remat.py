@@ -240,7 +240,7 @@ def test_recomputing_lets_the_fast_devices_hold_the_step_alone():
 def test_the_sooner_plan_is_kept_and_a_pipeline_reports_the_best_spmd_only_time():
     from dataclasses import replace
 
-    from hapsynth.api import sooner
+    from hapsynth.synth.choose import sooner
 
     step, args, _, _ = _programs()
     base = hs.parallelize(step, cluster=hs.Cluster.load("cpu8-even"), time_limit=1).plan(*args)

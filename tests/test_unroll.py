@@ -9,7 +9,7 @@ import optax
 import pytest
 from elsewhere import get
 
-from hapsynth.api import state_arity
+from hapsynth.args import state_arity
 from hapsynth.ir.signature import input_paths
 from hapsynth.ir.trace import Const, evaluate, trace
 from hapsynth.ir.unroll import state_inputs, unroll

@@ -5,7 +5,31 @@ values.py (how each layout is stored, `Sharded`, shard/gather), devices.py (a cl
 -> branches.py (a segment per group, `lax.switch`; cpu.py: XLA CPU kernel workarounds)
 -> program.py (`Lowered`; gspmd.py: even plans as plain `jit`; hook.py: `BranchHook`).
 Pipelines: wiring.py (what stages run and exchange; packing.py: uneven rows padded) ->
-pipeline.py (`Pipelined`: a tick loop over a (stage, data) mesh) or freerun.py
+pipeline.py (`Pipelined`: a tick loop over a (stage, data) mesh; ticklayout.py its static
+tables, tickloop.py and tickwork.py the loop and one tick's work, wires.py crossings,
+finish.py the once-per-step ops, stagestate.py state in and out) or freerun.py
 (`FreeRunning`: a program per stage and phase; moves.py: values between devices and
 processes).
+
+`lower(prog, plan, devices)` is the one entry point: it picks the runtime by the plan.
 """
+from __future__ import annotations
+
+__all__ = ["lower"]
+
+
+def lower(prog, plan, devices, *, donate=()):
+    """The runtime that runs `plan` for the traced program `prog` on `devices` (the
+    cluster's, in order): `Lowered` for an SPMD plan (no `plan.stages`), `FreeRunning`
+    for a pipeline whose `plan.pipeline["runtime"]` is "free" (a program per stage and
+    phase), else `Pipelined` (one tick-loop program). Each checks the plan was made for
+    `prog`. `donate`: flat input leaves whose buffers the step may reuse. Every runtime
+    has `run(leaves)`, `shard(*args)` and `load(load, *args)`."""
+    if not plan.stages:
+        from hapsynth.lower.program import Lowered
+        return Lowered(prog, plan, devices, donate=donate)
+    if plan.pipeline.get("runtime") == "free":
+        from hapsynth.lower.freerun import FreeRunning
+        return FreeRunning(prog, plan, devices, donate=donate)
+    from hapsynth.lower.pipeline import Pipelined
+    return Pipelined(prog, plan, devices, donate=donate)

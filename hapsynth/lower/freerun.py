@@ -40,6 +40,7 @@ from hapsynth.ir.trace import Const, Program
 from hapsynth.lower import cpu
 from hapsynth.lower.moves import move
 from hapsynth.lower.packing import pad_to, trim
+from hapsynth.lower.rounds import post_rounds
 from hapsynth.lower.values import Sharded, Staged, plain
 from hapsynth.lower.wiring import StageWiring
 from hapsynth.synth.plan import Plan
@@ -252,15 +253,8 @@ class FreeRunning(StageWiring):
         """The once-per-step ops in rounds: an op runs in the round after the last one
         making a value it reads on another stage (sums count as made in round 0)."""
         prog = self.prog
-        where: dict = {t: (s, 0) for s in range(self.S) for t in self.acc[s]}
-        level: dict = {}
-        for i in sorted(i for ids in self.post.values() for i in ids):
-            s = self.stage[i]
-            level[i] = max([0] + [where[x][1] + (where[x][0] != s) for x in prog.eqns[i].inputs
-                                  if isinstance(x, int) and x in where])
-            for t in prog.eqns[i].outputs:
-                where[t] = (s, level[i])
-        self.where, self.level = where, level
+        ranked = post_rounds(self)
+        self.where, self.level = where, level = ranked.where, ranked.level
         # per value, the rounds (level, stage) reading it: a round returns only what
         # another round or the step's outputs read (the rest stays inside its program)
         readers: dict = {}

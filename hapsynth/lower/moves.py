@@ -8,7 +8,8 @@ that process taking the same piece copy it there), then builds the array from th
 Every process calls `move` alike; each takes part in the transfers it holds an end of.
 
 `broadcast` and `everywhere` bring a value to every process, whatever device counts the
-processes hold (JAX's `multihost_utils` assumes equal counts).
+processes hold (JAX's `multihost_utils` assumes equal counts); `from_process_zero` a
+string (a plan synthesised once, on process zero).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as PS
 
-__all__ = ["broadcast", "everywhere", "move"]
+__all__ = ["broadcast", "everywhere", "from_process_zero", "move"]
 
 
 def move(x, dst: NamedSharding):
@@ -129,6 +130,17 @@ def broadcast(value, source: int = 0) -> np.ndarray:
     first = next(i for i, d in enumerate(devices) if d.process_index == source)
     out = jax.jit(lambda v: v[first], out_shardings=NamedSharding(mesh, PS()))(rows)
     return np.asarray(out.addressable_data(0))
+
+
+def from_process_zero(text: str | None) -> str:
+    """Process 0's string on every process (the others pass anything, None too): with
+    several `jax.distributed` processes a plan is synthesised once and shared, since
+    every process must run the same program."""
+    if jax.process_count() == 1:
+        return text
+    data = np.frombuffer(text.encode(), np.uint8) if jax.process_index() == 0 else None
+    n = int(broadcast(np.int32(0 if data is None else data.size)))
+    return bytes(broadcast(np.zeros(n, np.uint8) if data is None else data)).decode()
 
 
 def everywhere(x: jax.Array) -> jax.Array:

@@ -1,6 +1,6 @@
 """The tables a pipelined program's tick loop indexes, from a plan's static schedule:
 which slot of the keep pool and of each mailbox every tick uses. The lowering
-(`lower/pipeline.py`) allocates and indexes them; the pricing (`synth/pipeline.py`)
+(`lower/pipeline.py`) allocates and indexes them; the pricing (`synth/pipememory.py`)
 counts the same slots for memory.
 
 The loop body is the same at every tick (so the program's size does not grow with the

@@ -310,11 +310,12 @@ def with_pipeline(graph: Graph, cluster: Cluster, spmd: Plan | None, *, num_stat
     candidates too (`FreeRunning`); "auto",
     as "free" where this process drives every device or `jax.device_put` moves arrays
     between processes, else as "ticks". The plan's `pipeline["runtime"]` says which runs
-    it (`synth.pipeline.RUNTIMES`)."""
+    it (`synth.pipeplan.RUNTIMES`)."""
     from dataclasses import replace
 
-    from hapsynth.synth.pipeline import (as_plan, islands_differ, plan_pipeline, plan_vshape,
-                                         stage_groups)
+    from hapsynth.synth.pipeline import plan_pipeline, plan_vshape
+    from hapsynth.synth.pipeplan import as_plan
+    from hapsynth.synth.stagegroups import islands_differ, stage_groups
     from hapsynth.synth.stages import NotPipelineable, analyse
 
     def keep(why: str) -> Plan:
@@ -388,7 +389,7 @@ def with_pipeline(graph: Graph, cluster: Cluster, spmd: Plan | None, *, num_stat
     if spmd is None:
         spmd = replace(dp, predicted_step_time=float("nan"))
     plan = as_plan(pipe, dp, spmd, cluster, runtime="free" if pipe is free else "ticks")
-    if recorded:  # how the program it runs is made of the step (`api.program_of`)
+    if recorded:  # how the program it runs is made of the step (`rewrites.program_of`)
         plan = replace(plan, pipeline={**plan.pipeline, **recorded})
     if recorded.get("merged"):  # the limit of the step without its recomputation
         plan = replace(plan, baselines={**plan.baselines, "ideal": min(
