@@ -11,7 +11,7 @@ abstract (``jax.ShapeDtypeStruct`` leaves, nothing allocated) unless ``abstract=
 from __future__ import annotations
 
 from . import bert, gpt, mlp, moe, vgg, vit
-from .common import CONFIG_NAMES, param_count
+from .common import BIG, CONFIG_NAMES, param_count
 
 ZOO = {"mlp": mlp, "vgg": vgg, "vit": vit, "bert": bert, "gpt": gpt, "moe": moe}
 """name → module with ``CONFIGS`` (config name → frozen dataclass), ``config(name, devices)`` and
@@ -25,7 +25,7 @@ def names() -> list[str]:
 def get(name: str, config: str = "tiny", *, devices: int = 8, abstract: bool | None = None,
         batch: int | None = None):
     """Return ``(train_step, (params, opt_state, batch))`` for zoo entry ``name`` at size ``config``.
-    ``abstract=None`` means abstract for "paper" and "medium"; ``batch`` sets the global batch
+    ``abstract=None`` means abstract for "paper", "medium" and the LLM sizes; ``batch`` sets the global batch
     (rows, images or sequences) in place of the size's. Deterministic: model from ``nnx.Rngs(0)``,
     batch from ``jax.random.key(1)``."""
     if name not in ZOO:
@@ -33,7 +33,7 @@ def get(name: str, config: str = "tiny", *, devices: int = 8, abstract: bool | N
     if config not in CONFIG_NAMES:
         raise ValueError(f"unknown config {config!r}; valid configs: {list(CONFIG_NAMES)}")
     if abstract is None:
-        abstract = config in ("paper", "medium")
+        abstract = config in BIG
     return ZOO[name].build(config, devices=devices, abstract=bool(abstract), batch=batch)
 
 

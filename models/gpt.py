@@ -1,6 +1,6 @@
 """GPT-style causal decoder: pre-LN blocks with causal attention, tied input/output embeddings
 (logits = h · Eᵀ), next-token loss; global-norm clipping (1.0) + AdamW. "paper": 12×768, vocab 50257;
-"medium": GPT-2-medium, 24×1024, sequence 1024, batch 64."""
+"medium": GPT-2-medium, 24×1024, sequence 1024, batch 64; "1.3b" and "6.7b": GPT-3 XL and 6.7B."""
 from __future__ import annotations
 
 import dataclasses
@@ -34,6 +34,12 @@ CONFIGS = {
     # devices: the size where HARP (EuroSys '26) pipelines across islands
     "medium": Config(layers=24, d=1024, heads=16, ffn=4096, seq=1024, vocab=50257, batch=64,
                      lr=1e-4),
+    # LLM sizes whose state no single GPU of the presets holds with its activations (GPT-3's
+    # XL and 6.7B shapes, heads of 128): 128 sequences of 1024 tokens, vocabulary 50304
+    "1.3b": Config(layers=24, d=2048, heads=16, ffn=8192, seq=1024, vocab=50304, batch=128,
+                   lr=1e-4),
+    "6.7b": Config(layers=32, d=4096, heads=32, ffn=16384, seq=1024, vocab=50304, batch=128,
+                   lr=1e-4),
 }
 
 

@@ -123,7 +123,7 @@ def test_plan_breakdown_baselines_and_collectives(plan):
         ["gradient sync", f"{b['deferred_comm']:.4g}"],
         ["of which exposed", f"{b['exposed_comm']:.4g}"]]
     base = {r[0]: r for r in table(root, "hapsynth-plan-baselines")}
-    assert set(base) == {"DP-EV", "DP-CP", "ideal"} & (set(plan.baselines) | {"ideal"})
+    assert set(base) == {"DP-EV", "DP-CP", "FSDP", "ideal"} & (set(plan.baselines) | {"ideal"})
     for k in set(base) - {"ideal"}:
         assert base[k][1] == f"{plan.baselines[k]:.4g}"
         assert base[k][2] == f"{plan.speedups[k]:.2f}x"

@@ -25,12 +25,23 @@ def test_registry_names_and_errors():
         get("nope")
     with pytest.raises(ValueError, match="tiny"):
         get("mlp", "huge")
-    for name in NAMES:  # GPT-2-medium ("medium") is the pipeline benchmark's size
-        assert set(ZOO[name].CONFIGS) == {"tiny", "small", "paper", *(["medium"] if name == "gpt" else [])}
+    gpt_only = ["medium", "1.3b", "6.7b"]  # the pipeline benchmark's and the LLM sizes
+    for name in NAMES:
+        assert set(ZOO[name].CONFIGS) == {"tiny", "small", "paper", *(gpt_only if name == "gpt" else [])}
     with pytest.raises(ValueError, match="unknown config 'medium'"):
         get("bert", "medium")
     cfg = ZOO["gpt"].config("medium", devices=16)
     assert (cfg.layers, cfg.d, cfg.seq, cfg.batch) == (24, 1024, 1024, 64)  # whatever the devices
+
+
+@pytest.mark.parametrize("config,billions", [("1.3b", 1.3), ("6.7b", 6.7)])
+def test_llm_sizes_trace_from_abstract_shapes(config, billions):
+    """The LLM sizes build without allocating (abstract leaves) at their parameter counts."""
+    _, (params, opt, batch) = get("gpt", config)
+    leaves = jax.tree.leaves((params, opt, batch))
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+    assert param_count(params) / 1e9 == pytest.approx(billions, rel=0.05)
+    assert {x.shape for x in jax.tree.leaves(batch)} == {(128, 1024)}
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -4,7 +4,11 @@
 node. *Followers* (elementwise and layout-only ops) join the node of the
 operands they read, so an elementwise chain, or a parameter's optimizer update
 chain, follows its producer's layout. Two leaders are never merged through a
-follower (a residual `add` of two matmuls stays a boundary). Ops that read no
+follower (a residual `add` of two matmuls stays a boundary). Past the last
+contraction (the optimizer's tail), a follower does not join a leader from before it:
+a parameter's update (its gradient clipped, its optimizer state) decides its own
+layout, apart from the matmul that made the gradient (ZeRO and FSDP shard the update
+and the state, while the gradient's matmul shards the batch). Ops that read no
 tensor (iota, broadcast of a literal) join their first consumer.
 """
 from __future__ import annotations
@@ -50,6 +54,7 @@ def coarsen(ops, producer: dict[int, int], is_input: set[int], shape_of=None):
     """
     n = len(ops)
     follower = [is_follower(p) for p, _, _ in ops]
+    tail = 1 + max((i for i, (p, _, _) in enumerate(ops) if facts(p).contraction), default=n)
     g = _Groups([not f for f in follower])
     by_input: dict[int, int] = {}
     touches_input = [False] * n
@@ -63,6 +68,8 @@ def coarsen(ops, producer: dict[int, int], is_input: set[int], shape_of=None):
             if t is None or (same_shape and shape_of(t) != shape_of(outs[0])):
                 continue
             if t in producer:
+                if i >= tail and g.leader[g.find(producer[t])] and g.find(producer[t]) < tail:
+                    continue  # (an update does not follow the backward pass's layout)
                 anchors.append(producer[t])
             elif t in is_input:
                 touches_input[i] = True

@@ -4,8 +4,8 @@ strategy.py (factor classes, strategies per node) -> structure.py (what each str
 needs; share-independent) -> pricing.py (frozen tables at given shares, via the
 costmodel.py roofline and alpha-beta collectives) -> timing.py (step time of an
 assignment) and memory.py -> search.py (starts, memory fit, local search) and solver.py
-(CP-SAT) -> synthesize.py (the orchestration, HAP's strategy/share alternation)
--> assemble.py -> plan.py (`Plan`: JSON, summary, explain).
+(CP-SAT) -> synthesize.py (the orchestration, HAP's strategy/share alternation; fsdp.py:
+the FSDP baseline and start) -> assemble.py -> plan.py (`Plan`: JSON, summary, explain).
 
 Pipelines across islands: stages.py (what a cut may split) -> pipeline.py (the search
 over cuts) -> pipeprice.py (one candidate's step: stagegroups.py where stages run,

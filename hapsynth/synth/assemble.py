@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from hapsynth.ir.layout import R
 from hapsynth.ir.signature import of_graph
-from hapsynth.synth.plan import Conversion, NodePlan, Plan
+from hapsynth.synth.plan import Conversion, NodePlan, Plan, class_memory
 from hapsynth.synth.pricing import paid_groups
 from hapsynth.synth.search import Priced
 from hapsynth.synth.timeline import timeline
@@ -31,6 +31,7 @@ def assemble(problem, choice: Choice, base: dict[str, Choice], solver: dict) -> 
     graph, cluster = problem.graph, problem.cluster
     st, tables, assign = problem.structure, choice.priced.tables, choice.assign
     ev = evaluate(tables, assign)
+    mem = choice.priced.memory.per_device(assign)
     op_factors = [-1] * len(graph.ops)
     op_inputs = [()] * len(graph.ops)
     layouts = [R] * len(graph.tensors)
@@ -67,8 +68,8 @@ def assemble(problem, choice: Choice, base: dict[str, Choice], solver: dict) -> 
         baseline_memory={k: int(b.priced.memory.total(b.assign)) for k, b in base.items()},
         baseline_ops={k: b.sharded_ops(st) for k, b in base.items()},
         baseline_busy={k: dict(zip(names, _busy(b))) for k, b in base.items()},
-        memory={c.name: {"need": int(choice.priced.memory.total(assign)),
-                         "capacity": int(c.memory)} for c in cluster.classes},
+        memory={c.name: class_memory(c.memory, mem.state, mem.activations, mem.buffers)
+                for c in cluster.classes},
         solver=solver, nodes=_nodes(graph, st, assign, layouts, op_inputs),
         op_factors=tuple(op_factors), tensor_layouts=tuple(layouts), op_inputs=tuple(op_inputs),
         conversions=tuple(convs), shard_units={int(k): tuple(v) for k, v in tables.units.items()},

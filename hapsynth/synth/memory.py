@@ -1,10 +1,14 @@
-"""Per-device memory of an assignment: state (params + optimizer) plus peak activations.
+"""Per-device memory of an assignment: state (params + optimizer) plus peak activations
+plus the buffers collectives make.
 
 Sharded tensors are stored padded to the largest shard (docs/design.md, stage 3), so
 a sharded tensor costs every device `max(units) * bytes / units_total`, whatever
 its own share: per-device memory is the same on every device, and the class with
 the least memory is the one that binds. Activations: every tensor is live from its
 producer to its last reader (outputs to the end); the peak over program order counts.
+Buffers: an all-gather's result is a new, larger value beside its shard (a parameter
+stored sharded and gathered for its readers), live from its first reader to its last;
+an all-reduce or reduce-scatter works in place of its partial sum.
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hapsynth.ir.layout import R
+from hapsynth.synth.collectives import ALL_GATHER
 from hapsynth.synth.pricing import Tables
 
 
@@ -22,6 +27,7 @@ class Memory:
 
     state: float        # parameters and optimizer state
     activations: float  # live intermediates at the peak
+    buffers: float      # collectives' results (all-gathered values) live at the peak
     total: float
     peak_op: int        # the op after which the peak occurs
 
@@ -30,6 +36,15 @@ def layout_bytes(tables: Tables, layout, nbytes: float) -> float:
     if layout.sharded:
         return max(tables.pricer.units(layout.units)) * nbytes / layout.units
     return float(nbytes)
+
+
+def gathered_bytes(tables: Tables, edge) -> np.ndarray:
+    """Per strategy of `edge`'s producer: bytes of the buffer its conversion makes (an
+    all-gather's result; 0 where the conversion works in place or is not needed)."""
+    nbytes = tables.structure.graph.tensors[edge.tensor].nbytes
+    full = layout_bytes(tables, edge.need, nbytes)
+    return np.array([full if edge.conversions.get(lay, ("none",))[0] == ALL_GATHER else 0.0
+                     for lay in edge.layouts])
 
 
 class MemoryModel:
@@ -74,9 +89,16 @@ class MemoryModel:
                         sizes.append(b)
                 per.append((sb, np.array(births, int), np.array(deaths, int), np.array(sizes)))
             self.rows.append(per)
+        # collectives' buffers: (edge, producer node, bytes per its strategy, birth, death)
+        self.gathers = []
+        for e in tables.edges:
+            b = gathered_bytes(tables, e)
+            if b.any():
+                self.gathers.append((e, e.src, b, e.position, min(e.last, n_ops - 1) + 1))
 
-    def profile(self, assign) -> tuple[float, np.ndarray]:
-        """(state bytes, live activation bytes after each op)."""
+    def profile(self, assign) -> tuple[float, np.ndarray, np.ndarray]:
+        """(state bytes, live activation bytes after each op, live buffer bytes after each
+        op)."""
         diff = np.zeros(self.n_ops + 1)
         state = 0.0
         for n, s in enumerate(assign):
@@ -84,24 +106,38 @@ class MemoryModel:
             state += sb
             np.add.at(diff, b, z)
             np.add.at(diff, d, -z)
-        return state, np.cumsum(diff)[:-1]
+        held = np.zeros(self.n_ops + 1)
+        for e, src, b, birth, death in self.gathers:
+            if b[assign[src]] and birth < death and e.needed(assign):
+                held[birth] += b[assign[src]]
+                held[death] -= b[assign[src]]
+        return state, np.cumsum(diff)[:-1], np.cumsum(held)[:-1]
 
     def per_device(self, assign) -> Memory:
-        state, live = self.profile(assign)
-        peak = int(np.argmax(live)) if len(live) else 0
+        state, live, held = self.profile(assign)
+        both = live + held
+        peak = int(np.argmax(both)) if len(both) else 0
         act = float(live[peak]) if len(live) else 0.0
-        return Memory(state, act, state + act, peak)
+        buf = float(held[peak]) if len(held) else 0.0
+        return Memory(state, act, buf, state + act + buf, peak)
 
     def total(self, assign) -> float:
         return self.per_device(assign).total
 
     def constraint_rows(self, assign) -> list[tuple[int, list[float]]]:
         """The solver's memory constraint: (node, bytes per strategy) at the assignment's
-        peak op, state included."""
+        peak op, state included (a gathered buffer live there counts on its producer's
+        row, as long as its readers stay as they are)."""
         p = self.per_device(assign).peak_op
+        extra: dict[int, np.ndarray] = {}
+        for e, src, b, birth, death in self.gathers:
+            if birth <= p < death and e.needed(assign):
+                extra[src] = extra.get(src, 0.0) + b
         out = []
         for n, per in enumerate(self.rows):
             vals = [sb + float(z[(b <= p) & (d > p)].sum()) for sb, b, d, z in per]
+            if n in extra:
+                vals = [v + float(x) for v, x in zip(vals, extra[n])]
             if any(vals):
                 out.append((n, vals))
         return out

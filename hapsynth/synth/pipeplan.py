@@ -7,7 +7,7 @@ from dataclasses import replace
 from hapsynth.cluster import Cluster
 from hapsynth.synth.lockstep import ticks
 from hapsynth.synth.pipeprice import Pipeline
-from hapsynth.synth.plan import Plan
+from hapsynth.synth.plan import Plan, class_memory
 from hapsynth.synth.stagegroups import islands_differ, islands_of, part_name, stage_groups
 
 __all__ = ["as_plan", "RUNTIMES"]
@@ -43,7 +43,9 @@ def as_plan(pipe: Pipeline, dp: Plan, spmd: Plan, cluster: Cluster, runtime: str
         baselines={**spmd.baselines, "SPMD": spmd.predicted_step_time},
         baseline_memory=spmd.baseline_memory, baseline_ops=spmd.baseline_ops,
         baseline_busy=spmd.baseline_busy,
-        memory={n: {"need": need[n], "capacity": int(cluster.classes[c].memory)}
+        # (a pipeline's device holds state, sums, kept activations and mailboxes in the
+        # flat buffers its runtime allocates, priced as one)
+        memory={n: class_memory(cluster.classes[c].memory, buffers=need[n])
                 for c, n in enumerate(names)},
         solver={**spmd.solver}, timeline=(), stages=_stages(pipe, cluster, islands, of),
         pipeline=_schedule(pipe, runtime), conversions=())

@@ -14,6 +14,16 @@ class PlanMismatch(ValueError):
     """A plan applied to a program other than the one it was made for."""
 
 
+def class_memory(capacity: float, state: float = 0.0, activations: float = 0.0,
+                 buffers: float = 0.0) -> dict:
+    """One class's entry of `Plan.memory`: bytes per device of that class, what it holds
+    (state, activations at the peak, collectives' buffers at the peak), their total, and
+    its capacity; "need" is the total too (the older name)."""
+    total = int(state) + int(activations) + int(buffers)
+    return {"state": int(state), "activations": int(activations), "buffers": int(buffers),
+            "total": total, "need": total, "capacity": int(capacity)}
+
+
 @dataclass(frozen=True)
 class Conversion:
     """One layout change the plan pays: `tensor` from `src` to `dst` by `collective`."""
@@ -48,9 +58,9 @@ class Plan:
     ratios: dict                      # {class name: share of every sharded dim (sums to 1)}
     predicted_step_time: float        # seconds
     breakdown: dict                   # compute, inline_comm, deferred_comm, exposed_comm, per class
-    baselines: dict                   # {"DP-EV": s, "DP-CP": s, "ideal": s}
+    baselines: dict                   # {"DP-EV": s, "DP-CP": s, "FSDP": s (inf: does not fit), "ideal": s}
     baseline_memory: dict             # {"DP-EV": bytes, "DP-CP": bytes} per device
-    memory: dict                      # {class: {"need": bytes, "capacity": bytes}}
+    memory: dict                      # {class: `class_memory(...)`}: bytes per device
     solver: dict                      # status, gap, objective, bound, wall, rounds, ...
     nodes: tuple[NodePlan, ...]       # per node: ops, strategy name, edge layouts
     op_factors: tuple[int, ...]       # sharded factor per op (-1: replicated)
@@ -220,14 +230,17 @@ class Plan:
         cap = min(m["capacity"] for m in self.memory.values())
         n_ops = len(self.op_factors)
         dp = []
-        for k in ("DP-EV", "DP-CP"):
+        for k in ("DP-EV", "DP-CP", "FSDP"):
             if k not in base:
                 continue
-            fit = ("" if self.baseline_memory[k] <= cap else
-                   f", needs {self.baseline_memory[k] / 2**30:.1f} GiB: does not fit")
+            fits = base[k] != float("inf")
             ops = (self.baseline_ops or {}).get(k)
-            shards = "" if ops is None else f", shards {ops} of {n_ops} ops"
-            dp.append(f"{k} {base[k]:.4g} s ({self.speedups[k]:.2f}x{shards}{fit})")
+            notes = [f"{self.speedups[k]:.2f}x" if fits else "",
+                     "" if ops is None else f"shards {ops} of {n_ops} ops",
+                     "" if self.baseline_memory[k] <= cap else
+                     f"needs {self.baseline_memory[k] / 2**30:.3g} GiB: does not fit"]
+            dp.append(f"{k} {f'{base[k]:.4g} s' if fits else '-'} "
+                      f"({', '.join(n for n in notes if n)})")
         lines.append("  baselines:   " + ("; ".join(dp) if dp else
                      "none: no op reads a data input's leading dim (data parallelism does "
                      "not apply)"))
@@ -245,7 +258,10 @@ class Plan:
         for (coll, form), (n, s) in sorted(self.collectives().items(), key=lambda kv: -kv[1][1]):
             lines.append(f"  {coll:<12s} {form or '':<8s} x{n:<5d} {s:.4g} s")
         for cls, m in self.memory.items():
-            lines.append(f"  memory {cls}: {m['need'] / 2**30:.2f} of {m['capacity'] / 2**30:.1f} GiB")
+            parts = ", ".join(f"{k} {m[k] / 2**30:.3g}" for k in ("state", "activations", "buffers")
+                              if k in m)
+            lines.append(f"  memory {cls}: {m['need'] / 2**30:.3g} of {m['capacity'] / 2**30:.3g} GiB"
+                         + (f" ({parts})" if parts else ""))
         s = self.solver
         gap = "n/a" if s.get("gap") is None else f"{s['gap']:.1%}"
         lines.append(f"  solver:      {s.get('status')} gap {gap}, {s.get('wall', 0):.1f} s, "

@@ -124,6 +124,7 @@ class Edge:
     repeat: int = 1                 # times it is paid (a loop's iterations); in `conversions`
     pooled: frozenset = frozenset()  # layouts whose all-reduce is combined with others':
     #                                  priced by bandwidth, the group's latency apart
+    last: int = -1                  # the last op reading the converted value (its lifetime's end)
 
     def seconds(self, layout: Layout) -> float:
         return self.conversions.get(layout, (None, None, 0.0))[2]
@@ -212,7 +213,8 @@ def price(st: Structure, cluster: Cluster, class_shares, only: list[int] | None 
             pos = st.loop_start.get(graph.ops[graph.tensors[t].producer].loop,
                                     graph.tensors[t].producer)
         edges.append(Edge(src, t, need.layout, layouts, need.consumers,
-                          MappingProxyType(convs), deferred, pos, need.repeat))
+                          MappingProxyType(convs), deferred, pos, need.repeat,
+                          last=max(need.ops, default=len(graph.ops))))
     edges, combined = _combine(edges, graph, pr)
     group_latency = collectives.all_reduce_latency(cluster)
     return Tables(st, pr, tuple(main), tuple(tail), tuple(main_at), tuple(edges), group_latency,

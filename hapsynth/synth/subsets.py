@@ -15,7 +15,7 @@ from typing import Callable
 
 from hapsynth.cluster import Cluster
 from hapsynth.ir.graph import Graph
-from hapsynth.synth.plan import Plan
+from hapsynth.synth.plan import Plan, class_memory
 
 ALL = "all-devices"  # the baselines key: the best plan found that uses every device
 
@@ -85,7 +85,7 @@ def on_fewer_devices(graph: Graph, cluster: Cluster, best: Plan | None, plan_on:
         baseline_ops=base.baseline_ops if base else {},
         baseline_busy=base.baseline_busy if base else {},
         ratios={c.name: plan.ratios.get(c.name, 0.0) for c in cluster.classes},
-        memory={c.name: plan.memory.get(c.name, {"need": 0, "capacity": int(c.memory)})
+        memory={c.name: plan.memory.get(c.name, class_memory(c.memory))
                 for c in cluster.classes},  # idle classes too: the baselines run there
         solver={**plan.solver, "devices": _why(cluster, devs, best, unfit)})
 

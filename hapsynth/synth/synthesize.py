@@ -19,6 +19,7 @@ from hapsynth.cluster import Cluster
 from hapsynth.ir.graph import Graph
 from hapsynth.synth.plan import Plan
 from hapsynth.synth.assemble import Choice, assemble
+from hapsynth.synth.fsdp import fsdp_choice
 from hapsynth.synth.search import (Priced, data_parallel, fit_memory, local_search, share_candidates,
                                    shares_by, state_classes, switch_classes)
 from hapsynth.synth.solver import solve
@@ -134,12 +135,16 @@ def no_data_parallelism(problem: Problem, data_inputs) -> NoDataParallelism:
            if names else "the step has no data inputs (every argument is fed back as state)"))
 
 
-def start(problem: Problem, dp: dict[str, Choice]) -> Choice:
+def start(problem: Problem, dp: dict[str, Choice], fsdp: Choice | None = None) -> Choice:
     """The best of: data parallelism, "shard the big state tensors on dim d, else the
-    batch" (expert parallelism for an MoE), each made to fit memory, and replicating
-    everything where that fits (a step too small to split), at FLOP/s-proportional and
-    at even shares (even shares pad less, which can make a plan fit)."""
+    batch" (expert parallelism for an MoE), FSDP, each made to fit memory, and
+    replicating everything where that fits (a step too small to split), at FLOP/s-
+    proportional and at even shares (even shares pad less, which can make a plan fit)."""
     starts = []
+    if fsdp is not None:
+        pr = fsdp.priced
+        a = fsdp.assign if pr.fits(fsdp.assign) else fit_memory(pr, fsdp.assign, problem.ties)
+        starts.append(((not pr.fits(a), pr.time(a)), pr, list(a)))
     for b in (dp["DP-CP"], dp["DP-EV"]):
         pr = b.priced
         whole = [0] * len(b.assign)
@@ -203,9 +208,10 @@ def synthesize(graph: Graph, cluster: Cluster, *, num_state_leaves: int, data_in
     progress.phase("baselines")
     dp = data_parallel_choices(problem)
     base = baselines(problem, dp)
+    fsdp = fsdp_choice(problem, dp["DP-EV"]) if "DP-EV" in base else None
     clock.lap("baselines")
     progress.phase("starts")
-    best, stats, rounds, solve_wall = improve(problem, start(problem, dp), options, clock)
+    best, stats, rounds, solve_wall = improve(problem, start(problem, dp, fsdp), options, clock)
     fitting = [b for b in base.values() if b.priced.fits(b.assign)]
     if fitting:
         dp = min(fitting, key=lambda b: b.time)
@@ -224,7 +230,7 @@ def synthesize(graph: Graph, cluster: Cluster, *, num_state_leaves: int, data_in
               "wall": clock.wall, "rounds": rounds, "phases": clock.phases,
               "variables": stats.variables if stats else 0,
               "decisions": len(set(problem.ties)) if problem.ties else len(graph.nodes)}
-    return assemble(problem, best, base, solver)
+    return assemble(problem, best, {**base, **({"FSDP": fsdp} if fsdp else {})}, solver)
 
 
 def data_parallel_plan(graph: Graph, cluster: Cluster, *, num_state_leaves: int, data_inputs,

@@ -129,14 +129,15 @@ def _plan_baselines(plan) -> str:
     base, n_ops = plan.baselines, len(plan.op_factors)
     cap = min(m["capacity"] for m in plan.memory.values())
     rows, marked = [], set()
-    for k in ("DP-EV", "DP-CP"):
+    for k in ("DP-EV", "DP-CP", "FSDP"):
         if k not in base:
             continue
         need = plan.baseline_memory[k]
         if need > cap:
             marked.add(len(rows))
         ops = (plan.baseline_ops or {}).get(k)
-        rows.append((k, _s(base[k]), f"{plan.speedups[k]:.2f}x",
+        fits = base[k] != float("inf")
+        rows.append((k, _s(base[k]) if fits else "-", f"{plan.speedups[k]:.2f}x" if fits else "",
                      "" if ops is None else f"{ops} of {n_ops}",
                      f"{_gib(need, 1)} GiB" + (": does not fit" if need > cap else "")))
     ideal = base["ideal"]
