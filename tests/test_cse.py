@@ -61,7 +61,7 @@ def test_a_program_with_loop_regions_is_left_alone():
     assert prog.loops and merge_recomputed(prog) is None
 
 
-@pytest.mark.parametrize("name", ["unrolled_gpt", "scan_gpt"])
+@pytest.mark.parametrize("name", [pytest.param("unrolled_gpt", marks=pytest.mark.slow), "scan_gpt"])
 def test_spmd_runs_a_checkpointed_step_without_its_recomputation(name):
     """A step whose blocks are under `jax.checkpoint` (a Python loop over the layers, or
     a scan, written out for this with no leaf fed as rows), on devices

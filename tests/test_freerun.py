@@ -287,7 +287,7 @@ def test_scan_over_layers_runs_free_equal_one_device(monkeypatch):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("model", ["unrolled_gpt", "scan_gpt"])
+@pytest.mark.parametrize("model", [pytest.param("unrolled_gpt", marks=pytest.mark.slow), "scan_gpt"])
 def test_a_steps_own_recomputation_is_undone_in_a_pipeline(model, monkeypatch):
     """A GPT whose blocks are under `jax.checkpoint` (a Python loop over the layers, or a
     scan written out) is also cut with its recomputation undone (`ir/cse.py`): the

@@ -273,7 +273,7 @@ def test_the_program_does_not_grow_with_its_ticks():
     assert abs(len(texts[1]) - len(texts[0])) < 0.02 * len(texts[0])
 
 
-@pytest.mark.parametrize("cluster", [two_islands, four_islands])
+@pytest.mark.parametrize("cluster", [two_islands, pytest.param(four_islands, marks=pytest.mark.slow)])
 def test_every_device_holds_the_buffers_priced(cluster):
     """One SPMD program gives every device the same buffers, each sized for the stage
     needing most: every stage is priced that (near what XLA allocates per device, a V100
@@ -655,7 +655,8 @@ def _three_steps(step, args, cluster, rtol=2e-3, late=False):
 
 
 @pytest.mark.parametrize("model,layout", [
-    ("mlp", "2x4"), ("bert", "4x2"), ("bert", "4x2 late"),
+    ("mlp", "2x4"), ("bert", "4x2"),
+    pytest.param("bert", "4x2 late", marks=pytest.mark.slow),  # (late sends: tests below)
     pytest.param("gpt", "2x4", marks=pytest.mark.slow),
     pytest.param("gpt", "4x2", marks=pytest.mark.slow),
     pytest.param("gpt", "4x2 late", marks=pytest.mark.slow),
