@@ -22,9 +22,9 @@ from hapsynth.lower.devices import local_devices
 from hapsynth.plancache import PlanCache
 from hapsynth.synth.choose import check_devices, check_pipeline, check_remat, check_strategy
 from hapsynth.synth.once import synthesize_once
+from hapsynth.synth.pipechoice import check_runtime
 from hapsynth.synth.plan import Plan
 from hapsynth.synth.rewrites import checked_program
-from hapsynth.synth.synthesize import check_runtime
 
 
 def inspect(train_step, *example_args) -> dict:

@@ -1622,7 +1622,7 @@ def test_the_search_s_floor_is_below_every_price(free):
 
 
 def test_why_spmd_was_kept_names_the_min_gain_when_the_pipeline_is_faster():
-    from hapsynth.synth.synthesize import spmd_kept
+    from hapsynth.synth.pipechoice import spmd_kept
     assert spmd_kept(1.0, 1.2, 0.05).startswith("SPMD prices better: 1 s vs the best pipeline's 1.2 s")
     why = spmd_kept(0.5122, 0.4973, 0.05, " (hetero-1f1b, 8 microbatches)")
     assert "better" not in why and "2.9% faster than SPMD's 0.5122 s, under min_gain 5%" in why

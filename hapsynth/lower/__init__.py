@@ -8,8 +8,8 @@ Pipelines: wiring.py (what stages run and exchange; packing.py: uneven rows padd
 pipeline.py (`Pipelined`: a tick loop over a (stage, data) mesh; ticklayout.py its static
 tables, tickloop.py and tickwork.py the loop and one tick's work, wires.py crossings,
 finish.py the once-per-step ops, stagestate.py state in and out) or freerun.py
-(`FreeRunning`: a program per stage and phase; moves.py: values between devices and
-processes).
+(`FreeRunning`: a program per stage and phase; freemoves.py values crossing stages,
+freerounds.py the once-per-step rounds; moves.py: values between devices and processes).
 
 `lower(prog, plan, devices)` is the one entry point: it picks the runtime by the plan.
 """

@@ -10,11 +10,12 @@ runs its next work while the last one's values cross, as the free-running price 
 V shape: both ends on one island, nothing of them crossing). Stages may differ in device
 counts, and a stage's devices may hold uneven rows of a microbatch (each then runs its
 own in a `lax.switch` branch): a sharded value crosses as the microbatch's rows in
-order and each receiving device takes its own. A stage's partial sums (gradients, the
-loss) add up over the microbatches, in float32 where narrower; then the once-per-step
-ops run per stage in rounds, a value made on one stage crossing to the next round of
-another. A step written out of a scan over layers (`Program.split`) runs too, its
-stacked leaves as `hs.StagedRows` whose rows stay on their stages.
+order and each receiving device takes its own (`freemoves.py`). A stage's partial sums
+(gradients, the loss) add up over the microbatches, in float32 where narrower; then the
+once-per-step ops run per stage in rounds, a value made on one stage crossing to the
+next round of another (`freerounds.py`). A step written out of a scan over layers
+(`Program.split`) runs too, its stacked leaves as `hs.StagedRows` whose rows stay on
+their stages.
 
 Across processes (islands on other hosts; `jax.distributed`) every process runs this
 same dispatch: each program runs on the devices a process has of it and nothing
@@ -38,17 +39,16 @@ from hapsynth._jax import moves_across_processes
 from hapsynth.ir.signature import of_program
 from hapsynth.ir.trace import Const, Program
 from hapsynth.lower import cpu
+from hapsynth.lower.freemoves import DATA, crossing, leave, relayout
+from hapsynth.lower.freerounds import free_rounds
 from hapsynth.lower.moves import move
 from hapsynth.lower.packing import pad_to, trim
-from hapsynth.lower.rounds import post_rounds
 from hapsynth.lower.values import Sharded, Staged, plain
 from hapsynth.lower.wiring import StageWiring
 from hapsynth.synth.plan import Plan
 from hapsynth.synth.slots import sum_dtype
 
 __all__ = ["FreeRunning"]
-
-DATA = "data"
 
 
 class FreeRunning(StageWiring):
@@ -125,8 +125,8 @@ class FreeRunning(StageWiring):
         """Stage s's phase `ph` of one microbatch, each device at its rows: (microbatch,
         state, data, received, kept, sums) -> (sums with its own added, what it keeps for
         its backward, what it sends). What crosses to another stage crosses as a global
-        value on the sender's devices, the microbatch's rows in order (`_crossing`), so a
-        stage of other devices takes its own rows of it; what a forward keeps for its
+        value on the sender's devices, the microbatch's rows in order (`freemoves.py`),
+        so a stage of other devices takes its own rows of it; what a forward keeps for its
         backward, and the sums, stay each device's own (a leading axis of its devices)."""
         sums = self.sums_of(s, ph)
         keep = self.keeps[s] if ph == "F" else []
@@ -158,65 +158,21 @@ class FreeRunning(StageWiring):
             else:
                 new, kept, out = jax.lax.switch(jnp.asarray(group)[jax.lax.axis_index(DATA)],
                                                 [at(r) for r in sizes], *args)
-            return new, kept, {t: self._leave(s, t, v) for t, v in out.items()}
+            return new, kept, {t: leave(self, s, t, v) for t, v in out.items()}
 
         own, whole = PS(DATA), PS()
-        into = {t: self._crossing(t) for t in self.crossing_in[(s, ph)]}
+        into = {t: crossing(self, t) for t in self.crossing_in[(s, ph)]}
         return self._program(s, fn, (whole, whole, whole, into, own, own),
-                             (own, own, {t: self._crossing(t, s) for t in sent}), donate=(5,),
+                             (own, own, {t: crossing(self, t, s) for t in sent}), donate=(5,),
                              entry=lambda m, state, data, *_: [False] + [True] * (
                                  len(state) + len(data)))
-
-    def _leave(self, s, t, v):
-        """Value t as stage s's devices hold it (padded to the most rows) as it leaves:
-        sharded over devices of uneven rows, gathered whole (the devices' rows in order).
-        No partial sum crosses (`synth.stages.analyse` keeps its readers with it)."""
-        lay = self.plan.tensor_layouts[t]
-        if lay.kind != "S" or self.even[s]:
-            return v
-        chunks = jax.lax.all_gather(v, DATA)
-        return jnp.concatenate([trim(chunks[j], lay, self._local(t, r))
-                                for j, r in enumerate(self.rows[s])], axis=lay.dim)
-
-    def _crossing(self, t, sender=None) -> PS:
-        """How value t lies as it crosses: split on its batch dimension over a stage's
-        devices where sharded (each device its own rows, so that a stage of other devices
-        takes its rows from it), else whole. Leaving a
-        `sender` of uneven rows, sharded values are whole (`_leave`)."""
-        lay = self.plan.tensor_layouts[t]
-        if lay.kind == "S" and (sender is None or self.even[sender]):
-            return PS(*([None] * lay.dim), DATA)
-        return PS()
 
     def _arriving(self, t, v, a, b):
         """Value t, sent by stage a, on stage b's devices as its programs read it."""
         if (t, a, b) not in self._rechunks:
-            self._rechunks[(t, a, b)] = self._relayout(t, a, b)
+            self._rechunks[(t, a, b)] = relayout(self, t, a, b)
         fn, where = self._rechunks[(t, a, b)]
         return move(v if fn is None else fn(v), where)
-
-    def _relayout(self, t, a, b):
-        """(a program on a's devices or None, b's sharding) for value t from stage a to b.
-        A sharded value whose layouts differ (uneven rows on either side, or unequal
-        device counts) is first re-laid on a's devices as b's devices take it, their rows
-        each padded to the most (each trims its own): split over a's devices where the
-        counts match, so that it crosses as it lies (what a transfer across processes
-        needs), else whole."""
-        lay = self.plan.tensor_layouts[t]
-        where = NamedSharding(self.meshes[b], self._crossing(t))
-        na, nb = self.meshes[a].devices.size, self.meshes[b].devices.size
-        if lay.kind != "S" or self.even[a] and self.even[b] and na == nb:
-            return None, where
-        scale = self.prog.avals[t].shape[lay.dim] // self.r.batch
-        most = max(self.rows[b]) * scale
-
-        def rechunk(x):
-            return jnp.concatenate([pad_to(jax.lax.slice_in_dim(
-                x, o * scale, (o + r) * scale, axis=lay.dim), lay, (
-                *x.shape[:lay.dim], most, *x.shape[lay.dim + 1:]))
-                for o, r in zip(self._offsets(b), self.rows[b])], axis=lay.dim)
-        on_a = NamedSharding(self.meshes[a], self._crossing(t)) if na == nb else self._whole[a]
-        return jax.jit(rechunk, out_shardings=on_a), where
 
     def _program(self, s, fn, in_specs, out_specs, donate=(), entry=None):
         """`fn` as one `jit(shard_map)` program on stage s's devices. Under a branch hook
@@ -250,89 +206,16 @@ class FreeRunning(StageWiring):
         return () if self.hook is None else (tuple(self.hook.inputs(self.meshes[s])),)
 
     def _rounds(self):
-        """The once-per-step ops in rounds: an op runs in the round after the last one
-        making a value it reads on another stage (sums count as made in round 0)."""
-        prog = self.prog
-        ranked = post_rounds(self)
-        self.where, self.level = where, level = ranked.where, ranked.level
-        # per value, the rounds (level, stage) reading it: a round returns only what
-        # another round or the step's outputs read (the rest stays inside its program)
-        readers: dict = {}
-        for ids in self.post.values():
-            for i in ids:
-                for x in prog.eqns[i].inputs:
-                    if isinstance(x, int):
-                        readers.setdefault(x, set()).add((level[i], self.stage[i]))
-        outputs = {o for o in prog.outputs if isinstance(o, int)}
-        rounds = {}
-        for k in sorted(set(level.values())):
-            for s in range(self.S):
-                ops = [i for i in self.post[s] if level[i] == k]
-                if ops:
-                    rounds[(k, s)] = (ops, [t for i in ops for t in prog.eqns[i].outputs
-                                            if t in outputs or readers.get(t, set()) - {(k, s)}])
-        # per stage, the state leaves it stores and the outputs it makes (once the rounds ran)
-        outs = prog.outputs
-        self.stores = {s: [p for p in range(self.nstate) if self.owner[p] == s]
-                       for s in range(self.S)}
-        self.results = [o for o in outs[self.nstate:] if not isinstance(o, Const)]
-        self.made_on = {o: where[o][0] if o in where else self.out_stage.get(o, 0)
-                        for o in self.results}
-        # per round and stage, the values it reads that another stage made: (value, maker)
-        self._wants = {(k, s): list(dict.fromkeys(
-            (x, where[x][0]) for i in self.post[s] if level[i] == k for x in prog.eqns[i].inputs
-            if isinstance(x, int) and x in where and where[x][0] != s)) for k, s in rounds}
-        # per stage, what its state leaves and outputs read from elsewhere once the rounds
-        # ran: (value, the stage making it, or None for a state leaf passed through)
-        self._fetch = {s: [(o, where[o][0] if o in where else None) for o in dict.fromkeys(
-            [outs[p] for p in self.stores[s]] + [o for o in self.results if self.made_on[o] == s])
-            if isinstance(o, int) and (o in where and where[o][0] != s or o in self.leaf)]
-            for s in range(self.S)}
-        self._final = {s: list(dict.fromkeys([
-            *[outs[p] for p in self.stores[s] if isinstance(outs[p], int)],
-            *[o for o in self.results if self.made_on[o] == s]])) for s in range(self.S)}
+        """The once-per-step ops in rounds (`freerounds.py`), a program per round and stage
+        taking the donated state leaves it gives up apart."""
+        once = free_rounds(self, self.donate, self._holders)
+        self.where, self.level, self.stores = once.where, once.level, once.stores
+        self.results, self.made_on, self._gone = once.results, once.made_on, once.gone
+        self._wants, self._fetch, self._final = once.wants, once.fetch, once.final
         self._made_last: dict = {}  # (stage, values no round made) -> a program making them
-        self._gone = self._donated(rounds)
         self._post = {key: self._program(key[1], self._evaluate(key[1], ops, made, apart=True),
                                          (PS(), PS()), PS(), donate=(0,))
-                      for key, (ops, made) in rounds.items()}
-
-    def _donated(self, rounds) -> dict:
-        """Per round, the donated state leaves it gives up (`donate`): those its stage
-        alone holds, read last by that round (through the state-only ops it runs), and
-        neither stored nor output as they are."""
-        prog, r = self.prog, self.r
-
-        def leaves_read(i, seen):
-            out = set()
-            for x in prog.eqns[i].inputs:
-                if not isinstance(x, int):
-                    continue
-                if x in self.leaf:
-                    out.add(x)
-                j = self.producer.get(x)
-                if j is not None and j not in seen and (
-                        r.region[j] == "pre" or r.rank[j] < 0 and r.region[j] == "micro"):
-                    seen.add(j)
-                    out |= leaves_read(j, seen)
-            return out
-        kept = set()  # stored or output as they are, or read by what no round makes
-        for o in (o for fin in self._final.values() for o in fin):
-            if o in self.leaf:
-                kept.add(o)
-            elif o not in self.where and o in self.producer:
-                kept |= leaves_read(self.producer[o], set())
-        last: dict = {}
-        for (k, s), (ops, _) in sorted(rounds.items()):
-            for t in set().union(*[leaves_read(i, set()) for i in ops]):
-                last[t] = (k, s)
-        gone = {key: [] for key in rounds}
-        for t, (k, s) in last.items():
-            p = self.leaf[t]
-            if p in self.donate and self.owner[p] == s and self._holders[p] == [s] \
-                    and t not in kept:
-                gone[(k, s)].append(t)
-        return gone
+                      for key, (ops, made) in once.rounds.items()}
 
     def _last(self, s, avail: dict) -> dict:
         """What stage s stores and outputs: those made already as they are (no copies),
@@ -393,8 +276,29 @@ class FreeRunning(StageWiring):
         are gathered first); the new state comes back on each leaf's stage."""
         prog, S = self.prog, self.S
         leaves = [plain(x) for x in self._inputs(leaves, plain)]
-        whole = self._whole
-        state = [{} for _ in range(S)]  # per stage, the state leaves it reads, by id
+        state, data = self._placed(leaves)
+        acc = self._microbatches(state, data)
+        # once per step: the sums, then the rounds
+        avail = [{**state[s], **data[s]} for s in range(S)]
+        for s in range(S):
+            for ph in "FB":
+                avail[s].update(self._summed(s, acc[s][ph]))
+        self._once(avail, leaves)
+        final = [self._last(s, avail[s]) for s in range(S)]
+        outs, new = prog.outputs, []
+        for p in range(self.nstate):
+            o, s = outs[p], self.owner[p]
+            new.append(jax.device_put(jnp.broadcast_to(jnp.asarray(o.value), o.aval.shape),
+                                      self._whole[s]) if isinstance(o, Const) else final[s][o])
+        results = [jnp.asarray(o.value) if isinstance(o, Const) else final[self.made_on[o]][o]
+                   for o in outs[self.nstate:]]
+        return jax.tree.unflatten(prog.out_tree, self._state(new, self.owner) + results)
+
+    def _placed(self, leaves) -> tuple[list, list]:
+        """Per stage, the state leaves it reads and the data (with what the step makes of
+        it alone), by id, on its devices."""
+        prog, S, whole = self.prog, self.S, self._whole
+        state = [{} for _ in range(S)]
         for p in range(self.nstate):
             for s in self._holders[p]:
                 state[s][prog.inputs[p]] = move(leaves[p], whole[s])
@@ -405,7 +309,12 @@ class FreeRunning(StageWiring):
             if self.data_ops:
                 got = self._data_values(s, got)
             data[s] = got
-        acc = [{ph: self._zeros[(s, ph)]() for ph in "FB"} for s in range(S)]
+        return state, data
+
+    def _microbatches(self, state, data) -> list:
+        """Every stage's works in `order`, each dispatched without waiting, what it sends
+        moved to its receivers' devices; per stage and phase, its devices' sums."""
+        acc = [{ph: self._zeros[(s, ph)]() for ph in "FB"} for s in range(self.S)]
         inbox: dict = {}
         kept: dict = {}
         for s, m, ph in self.order:
@@ -420,35 +329,26 @@ class FreeRunning(StageWiring):
                 box = inbox.setdefault((b, phb, m), {})
                 for x in xs:
                     box[x] = self._arriving(x, sent[x], s, b)
-        # once per step: the sums, then the rounds
-        avail = [{**state[s], **data[s]} for s in range(S)]
-        for s in range(S):
-            for ph in "FB":
-                avail[s].update(self._summed(s, acc[s][ph]))
+        return acc
+
+    def _once(self, avail, leaves):
+        """The rounds of once-per-step ops, on each stage's values by id (`avail`, the
+        sums in): each round's values added to its stage's; then what a stage stores
+        or outputs that the last round made elsewhere (or a state leaf passed through)."""
         for (k, s), fn in self._post.items():
             for x, src in self._wants[(k, s)]:
                 if x not in avail[s]:
                     avail[s][x] = self._put(avail[src][x], s)
             gone = {t: avail[s].pop(t) for t in self._gone[(k, s)]}
             avail[s].update(fn(gone, avail[s], *self._extra(s)))
-        outs = prog.outputs
-        for s in range(S):  # what the last round made elsewhere, for a state leaf or output
+        for s in range(self.S):
             for o, src in self._fetch[s]:
                 if o in avail[s]:
                     continue
                 if src is not None and o in avail[src]:
                     avail[s][o] = self._put(avail[src][o], s)
                 elif o in self.leaf:
-                    avail[s][o] = move(leaves[self.leaf[o]], whole[s])
-        final = [self._last(s, avail[s]) for s in range(S)]
-        new = []
-        for p in range(self.nstate):
-            o, s = outs[p], self.owner[p]
-            new.append(jax.device_put(jnp.broadcast_to(jnp.asarray(o.value), o.aval.shape),
-                                      whole[s]) if isinstance(o, Const) else final[s][o])
-        results = [jnp.asarray(o.value) if isinstance(o, Const) else final[self.made_on[o]][o]
-                   for o in outs[self.nstate:]]
-        return jax.tree.unflatten(prog.out_tree, self._state(new, self.owner) + results)
+                    avail[s][o] = move(leaves[self.leaf[o]], self._whole[s])
 
     def _data_values(self, s, inputs):
         """The data and what the step makes of it alone (`data_ops`), on stage s."""

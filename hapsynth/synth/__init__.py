@@ -11,7 +11,7 @@ Pipelines across islands: stages.py (what a cut may split) -> pipeline.py (the s
 over cuts) -> pipeprice.py (one candidate's step: stagegroups.py where stages run,
 opcosts.py per-op seconds, cutscan.py what a cut costs, pipelinks.py what crosses,
 pipememory.py bytes per device, pipeschedule.py and lockstep.py the schedule) ->
-pipeplan.py (the `Plan` of a pipeline).
+pipeplan.py (the `Plan` of a pipeline) -> pipechoice.py (whether it is kept over SPMD).
 
 Which plan is kept: choose.py (`make_plan`: SPMD on every device or fewer, data
 parallelism, or a pipeline, pipeline.py; `sooner`) <- recompute.py (`plan_program`: the

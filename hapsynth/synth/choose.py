@@ -12,11 +12,11 @@ from dataclasses import replace
 import jax
 
 from hapsynth.cluster import Cluster
+from hapsynth.synth.pipechoice import spmd_kept, with_pipeline
 from hapsynth.synth.plan import Plan
 from hapsynth.synth.subsets import on_fewer_devices
 from hapsynth.synth.synthesize import (InfeasibleMemory, NoDataParallelism, Options,
-                                       data_parallel_plan, spmd_kept, synthesize,
-                                       with_pipeline)
+                                       data_parallel_plan, synthesize)
 
 STRATEGIES = ("auto", "data-parallel")
 
