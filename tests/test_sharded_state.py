@@ -121,3 +121,15 @@ def test_planner_shards_state_where_replicated_state_does_not_fit(gpt, roomy):
     assert len(held) == 8
     for d, nbytes in held.items():
         assert nbytes <= plan.memory["fast" if d.id < 2 else "slow"]["state"]
+
+
+@pytest.mark.parametrize("model,config,setup", [
+    ("gpt", "small", "one device"), ("vit", "small", "2+6 data-parallel")])
+def test_predicted_memory_is_within_a_quarter_of_xla(model, config, setup):
+    """The predicted bytes per device against XLA's `memory_analysis()` of the lowered
+    program (state donated): within 25% (benchmarks/memory_check.py gives every zoo
+    config; those outside are named in RESULTS.md)."""
+    from hapsynth_bench.memory_check import measure
+
+    predicted, xla, _ = measure(model, config, setup)
+    assert 0.75 <= predicted / xla <= 1.25, (predicted, xla)

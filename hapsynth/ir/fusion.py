@@ -33,17 +33,15 @@ def _fusible(e) -> bool:
     return (f.follower and not f.free) or e.name in PRODUCERS
 
 
-def fused_costs(prog: Program, costs: list[Cost]) -> list[Cost]:
-    """`costs` (one per eqn) less the bytes of intermediates fused away.  A reader whose
-    cost names fewer bytes than its operands (it touches part of one) is left as is."""
+def _fusions(prog: Program, costs: list[Cost]):
+    """(producer eqn, its result, reader eqn) for each intermediate XLA fuses into its one
+    reader: never written to memory nor read back."""
     readers: dict[int, list[int]] = {}
     for i, e in enumerate(prog.eqns):
         for x in e.inputs:
             if isinstance(x, int):
                 readers.setdefault(x, []).append(i)
     outputs = {x for x in prog.outputs if isinstance(x, int)}
-
-    saved = [0.0] * len(costs)
     for i, e in enumerate(prog.eqns):
         if not _fusible(e) or costs[i].bytes == 0:
             continue
@@ -56,7 +54,20 @@ def fused_costs(prog: Program, costs: list[Cost]) -> list[Cost]:
             continue
         if costs[r].bytes != plain_bytes(reader):
             continue
+        yield i, t, r, len(readers[t])
+
+
+def fused_costs(prog: Program, costs: list[Cost]) -> list[Cost]:
+    """`costs` (one per eqn) less the bytes of intermediates fused away.  A reader whose
+    cost names fewer bytes than its operands (it touches part of one) is left as is."""
+    saved = [0.0] * len(costs)
+    for i, t, r, reads in _fusions(prog, costs):
         nbytes = prog.avals[t].nbytes
         saved[i] += nbytes
-        saved[r] += nbytes * len(readers[t])
+        saved[r] += nbytes * reads
     return [c if s == 0 else replace(c, bytes=max(0.0, c.bytes - s)) for c, s in zip(costs, saved)]
+
+
+def fused_away(prog: Program, costs: list[Cost]) -> set[int]:
+    """Intermediates fused into their reader: they take no memory of their own."""
+    return {t for _, t, _, _ in _fusions(prog, costs)}

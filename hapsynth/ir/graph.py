@@ -133,6 +133,7 @@ class Tensor:
     producer: int | None  # op index; None for step inputs and constants
     kind: str = "intermediate"  # "input" | "const" | "intermediate"
     itemsize: int = 4  # bytes per element (PRNG key dtypes have no numpy name)
+    fused: bool = False  # fused into its one reader by XLA: never held in memory
 
     @property
     def nbytes(self) -> int:

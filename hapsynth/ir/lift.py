@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections import Counter
 
 from hapsynth.ir.coarsen import coarsen
-from hapsynth.ir.fusion import fused_costs
+from hapsynth.ir.fusion import fused_away, fused_costs
 from hapsynth.ir.graph import Cost, Graph, Node, Op, Tensor
 from hapsynth.ir.rules import cost_for, partial_of, rule_for
 from hapsynth.ir.signature import input_paths
@@ -18,16 +18,18 @@ def _dtype_name(dtype) -> str:
 def lift_program(prog: Program) -> Graph:
     producer = {t: i for i, e in enumerate(prog.eqns) for t in e.outputs}
     inputs = set(prog.inputs)
+    plain = [cost_for(e) for e in prog.eqns]
+    fused = fused_away(prog, plain)
     tensors = tuple(
         Tensor(t, a.shape, _dtype_name(a.dtype), producer.get(t),
                "input" if t in inputs else "const" if t in prog.consts else "intermediate",
-               getattr(a.dtype, "itemsize", 4))
+               getattr(a.dtype, "itemsize", 4), t in fused)
         for t, a in enumerate(prog.avals))
     op_inputs = [tuple(x if isinstance(x, int) else None for x in e.inputs) for e in prog.eqns]
     node_of, kinds = coarsen([(e.name, ins, e.outputs) for e, ins in zip(prog.eqns, op_inputs)],
                              producer, inputs, lambda t: prog.avals[t].shape)
     length = {lp.id: lp.length for lp in prog.loops}
-    costs = fused_costs(prog, [cost_for(e) for e in prog.eqns])
+    costs = fused_costs(prog, plain)
     ops = tuple(Op(i, e.name, op_inputs[i], e.outputs, rule_for(e),
                    _times(costs[i], length.get(e.loop, 1)), node_of[i], e.loop,
                    length.get(e.loop, 1), partial_of(e))

@@ -17,6 +17,8 @@ from dataclasses import replace
 import numpy as np
 
 from hapsynth import _jax
+from hapsynth.ir.fusion import fused_away
+from hapsynth.ir.rules import cost_for
 from hapsynth.ir.rules.registry import facts
 from hapsynth.ir.trace import Eqn, Program, loops_of
 
@@ -51,12 +53,14 @@ def _last_reads(prog: Program) -> dict[int, int]:
 
 
 def live_profile(prog: Program) -> np.ndarray:
-    """Bytes of intermediates live after each eqn (inputs and constants not counted)."""
+    """Bytes of intermediates live after each eqn (inputs and constants not counted, nor
+    what XLA fuses into its one reader: as `synth/memory.py` counts them)."""
     last = _last_reads(prog)
+    fused = fused_away(prog, [cost_for(e) for e in prog.eqns])
     diff = np.zeros(len(prog.eqns) + 2)
     for i, e in enumerate(prog.eqns):
         for t in e.outputs:
-            if t in last:
+            if t in last and t not in fused:
                 diff[i] += prog.avals[t].nbytes
                 diff[last[t] + 1] -= prog.avals[t].nbytes
     return np.cumsum(diff)[:len(prog.eqns)]
@@ -103,7 +107,9 @@ def _one_round(prog: Program, target: float | None = None) -> Program | None:
                 readers.setdefault(x, []).append(i)
     last = _last_reads(prog)
     size = lambda t: avals[t].nbytes
-    held = {t for t, i in producer.items() if i <= p and last.get(t, -1) > p}  # across the peak
+    fused = fused_away(prog, [cost_for(e) for e in eqns])  # (never held)
+    held = {t for t, i in producer.items()
+            if i <= p and last.get(t, -1) > p and t not in fused}  # across the peak
 
     def chain(t: int, held_now: set) -> tuple[list[int], set[int]] | None:
         """Eqns (in program order) recomputing t from held tensors, and the tensors it

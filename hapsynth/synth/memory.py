@@ -5,7 +5,8 @@ Sharded tensors are stored padded to the largest shard (docs/design.md, stage 3)
 a sharded tensor costs every device `max(units) * bytes / units_total`, whatever
 its own share: per-device memory is the same on every device, and the class with
 the least memory is the one that binds. Activations: every tensor is live from its
-producer to its last reader (outputs to the end); the peak over program order counts.
+producer to its last reader (outputs to the end), unless XLA fuses it into its one
+reader (`Tensor.fused`: never held); the peak over program order counts.
 Buffers: an all-gather's result is a new, larger value beside its shard (a parameter
 stored sharded and gathered for its readers), live from its first reader to its last;
 an all-reduce or reduce-scatter works in place of its partial sum.
@@ -75,7 +76,7 @@ class MemoryModel:
         self.rows = []
         for node in g.nodes:
             made = [(t, op_id) for op_id in node.ops for t in g.ops[op_id].outputs
-                    if t in last_use or t in outputs]
+                    if (t in last_use or t in outputs) and not g.tensors[t].fused]
             per = []
             for strat in st.strategies[node.id]:
                 sb, births, deaths, sizes = 0.0, [], [], []
