@@ -22,9 +22,13 @@ def lower(prog, plan, devices, *, donate=()):
     """The runtime that runs `plan` for the traced program `prog` on `devices` (the
     cluster's, in order): `Lowered` for an SPMD plan (no `plan.stages`), `FreeRunning`
     for a pipeline whose `plan.pipeline["runtime"]` is "free" (a program per stage and
-    phase), else `Pipelined` (one tick-loop program). Each checks the plan was made for
-    `prog`. `donate`: flat input leaves whose buffers the step may reuse. Every runtime
-    has `run(leaves)`, `shard(*args)` and `load(load, *args)`."""
+    phase), else `Pipelined` (one tick-loop program), after checking the plan was made
+    for `prog` (`PlanMismatch` names what differs). `donate`: flat input leaves whose
+    buffers the step may reuse. Every runtime has `run(leaves)`, `shard(*args)` and
+    `load(load, *args)`."""
+    from hapsynth.ir.signature import of_program
+
+    plan.check(of_program(prog))  # (the one place a runtime's plan is checked)
     if not plan.stages:
         from hapsynth.lower.program import Lowered
         return Lowered(prog, plan, devices, donate=donate)

@@ -36,7 +36,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as PS
 
 from hapsynth._jax import moves_across_processes
-from hapsynth.ir.signature import of_program
 from hapsynth.ir.trace import Const, Program
 from hapsynth.lower import cpu
 from hapsynth.lower.freemoves import DATA, crossing, leave, relayout
@@ -60,7 +59,6 @@ class FreeRunning(StageWiring):
         of once-per-step ops reading it last. `branch_hook`: measurement harnesses only
         (`hook.py`): every stage's work and round of once-per-step ops runs
         `hook.wrap`ped on each of its devices."""
-        plan.check(of_program(prog))
         super().__init__(prog, plan)
         self.donate = self._program_inputs(donate)
         self.hook = branch_hook

@@ -20,7 +20,6 @@ from jax import lax
 from jax.sharding import Mesh
 
 from hapsynth.ir.layout import R, Layout
-from hapsynth.ir.signature import of_program
 from hapsynth.ir.trace import Const, Program
 from hapsynth.lower import branches, collectives, cpu, schedule
 from hapsynth.lower import gspmd as _gspmd
@@ -46,7 +45,6 @@ class Lowered:
         scan (benchmarks/loops.py measures both; `branch_loops`: the loops that took it)."""
         if loop_form not in ("branch", "body"):
             raise ValueError(f"loop_form must be 'branch' or 'body', got {loop_form!r}")
-        plan.check(of_program(prog))
         self.loop_form, self.branch_loops = loop_form, set()
         self.prog, self.plan = prog, plan
         donate = tuple(sorted(set(donate)))
