@@ -90,12 +90,7 @@ class MemoryModel:
                         sizes.append(b)
                 per.append((sb, np.array(births, int), np.array(deaths, int), np.array(sizes)))
             self.rows.append(per)
-        # collectives' buffers: (edge, producer node, bytes per its strategy, birth, death)
-        self.gathers = []
-        for e in tables.edges:
-            b = gathered_bytes(tables, e)
-            if b.any():
-                self.gathers.append((e, e.src, b, e.position, min(e.last, n_ops - 1) + 1))
+        self.gathers = _Gathers(tables, n_ops)
 
     def profile(self, assign) -> tuple[float, np.ndarray, np.ndarray]:
         """(state bytes, live activation bytes after each op, live buffer bytes after each
@@ -107,12 +102,8 @@ class MemoryModel:
             state += sb
             np.add.at(diff, b, z)
             np.add.at(diff, d, -z)
-        held = np.zeros(self.n_ops + 1)
-        for e, src, b, birth, death in self.gathers:
-            if b[assign[src]] and birth < death and e.needed(assign):
-                held[birth] += b[assign[src]]
-                held[death] -= b[assign[src]]
-        return state, np.cumsum(diff)[:-1], np.cumsum(held)[:-1]
+        held = self.gathers.live(assign, self.n_ops)
+        return state, np.cumsum(diff)[:-1], held
 
     def per_device(self, assign) -> Memory:
         state, live, held = self.profile(assign)
@@ -130,10 +121,7 @@ class MemoryModel:
         peak op, state included (a gathered buffer live there counts on its producer's
         row, as long as its readers stay as they are)."""
         p = self.per_device(assign).peak_op
-        extra: dict[int, np.ndarray] = {}
-        for e, src, b, birth, death in self.gathers:
-            if birth <= p < death and e.needed(assign):
-                extra[src] = extra.get(src, 0.0) + b
+        extra = self.gathers.at(assign, p)
         out = []
         for n, per in enumerate(self.rows):
             vals = [sb + float(z[(b <= p) & (d > p)].sum()) for sb, b, d, z in per]
@@ -141,4 +129,53 @@ class MemoryModel:
                 vals = [v + float(x) for v, x in zip(vals, extra[n])]
             if any(vals):
                 out.append((n, vals))
+        return out
+
+
+class _Gathers:
+    """The all-gathers' buffers of `tables`' edges, as arrays: which producer strategy
+    makes one and of what size, when it is born and dies, and which consumer strategies
+    need it (so an assignment's live buffers are a few array operations)."""
+
+    def __init__(self, tables: Tables, n_ops: int):
+        rows = [(e, gathered_bytes(tables, e)) for e in tables.edges]
+        rows = [(e, b) for e, b in rows if b.any()]
+        width = max((len(b) for _, b in rows), default=1)
+        self.src = np.array([e.src for e, _ in rows], int)
+        self.bytes = np.zeros((len(rows), width))
+        for k, (_, b) in enumerate(rows):
+            self.bytes[k, :len(b)] = b
+        self.birth = np.array([e.position for e, _ in rows], int)
+        self.death = np.array([min(e.last, n_ops - 1) + 1 for e, _ in rows], int)
+        self.always = np.array([-1 in e.consumers for e, _ in rows], bool)
+        pairs = [(k, n, s_) for k, (e, _) in enumerate(rows)
+                 for n, ss in e.consumers.items() if n >= 0 for s_ in ss]
+        self.edge, self.node, self.strategy = (np.array(x, int) for x in (
+            zip(*pairs) if pairs else ((), (), ())))
+
+    def sizes(self, assign) -> np.ndarray:
+        """Per edge: the bytes of its buffer under `assign` (0: none made or not needed)."""
+        if not len(self.src):
+            return np.zeros(0)
+        a = np.asarray(assign)
+        hit = a[self.node] == self.strategy
+        needed = self.always | (np.bincount(self.edge[hit], minlength=len(self.src)) > 0)
+        return np.where(needed, self.bytes[np.arange(len(self.src)), a[self.src]], 0.0)
+
+    def live(self, assign, n_ops: int) -> np.ndarray:
+        """Buffer bytes live after each op."""
+        held = np.zeros(n_ops + 1)
+        z = self.sizes(assign)
+        ok = (z > 0) & (self.birth < self.death)
+        np.add.at(held, self.birth[ok], z[ok])
+        np.add.at(held, self.death[ok], -z[ok])
+        return np.cumsum(held)[:-1]
+
+    def at(self, assign, p: int) -> dict[int, np.ndarray]:
+        """Per producer node: bytes per its strategy of the buffers live at op `p` (as long
+        as their readers stay as they are)."""
+        z = self.sizes(assign)
+        out: dict[int, np.ndarray] = {}
+        for k in np.flatnonzero((z > 0) & (self.birth <= p) & (p < self.death)):
+            out[int(self.src[k])] = out.get(int(self.src[k]), 0.0) + self.bytes[k]
         return out

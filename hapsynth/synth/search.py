@@ -149,14 +149,27 @@ class Decisions:
                        if e.needed(a))
 
 
+#: Moves `fit_memory` makes without lowering the peak before it gives up.
+STALL = 8
+
+
 def fit_memory(pr: Priced, assign, ties=None) -> list[int]:
     """Greedy start when an assignment does not fit: repeatedly switch the decision
-    (a node with its tied copies) that frees the most memory per second it adds."""
+    (a node with its tied copies) that frees the most memory per second it adds, while
+    that lowers the peak within `STALL` moves."""
     dec = Decisions(pr.tables, ties)
     assign = list(assign)
+    lowest, stalled = pr.memory.total(assign), 0
     for _ in range(len(assign)):
-        if pr.fits(assign):
+        total = pr.memory.total(assign)
+        if total <= pr.capacity:
             break
+        if total < lowest * (1 - 1e-6):
+            lowest, stalled = total, 0
+        elif stalled >= STALL:  # (the peak is elsewhere than the moves reach: give up)
+            break
+        else:
+            stalled += 1
         saving: dict = {}
         for n, per in pr.memory.constraint_rows(assign):
             for s, b in enumerate(per):

@@ -218,7 +218,7 @@ def synthesize(graph: Graph, cluster: Cluster, *, num_state_leaves: int, data_in
         if best.time > dp.time * (1 - options.min_gain):
             best = dp
     need = best.priced.memory.total(best.assign)
-    for c in cluster.classes:
+    for c in sorted(cluster.classes, key=lambda c: c.memory):  # (the one short by most)
         if need > c.memory:
             raise InfeasibleMemory(
                 f"no plan found fits device class {c.name!r}: it needs {need / 2**30:.2f} GiB per "
