@@ -77,6 +77,7 @@ def test_stage_analysis_of_a_tied_gpt():
             assert stage_of(r.rank[producer[out]], cut) == stage_of(r.owner_rank[i], cut)
 
 
+@pytest.mark.slow  # (state through the buffers: the round-trip and fed-back tests stay)
 def test_the_new_state_is_written_into_its_buffers():
     """Each stage writes its new state over its state buffers (dynamic-update-slice, in
     place), not as a concatenation padded to the largest stage's buffer: on XLA's CPU
@@ -273,7 +274,8 @@ def test_the_program_does_not_grow_with_its_ticks():
     assert abs(len(texts[1]) - len(texts[0])) < 0.02 * len(texts[0])
 
 
-@pytest.mark.parametrize("cluster", [two_islands, pytest.param(four_islands, marks=pytest.mark.slow)])
+@pytest.mark.slow  # (buffers priced as allocated: test_large_state_leaves_... stays)
+@pytest.mark.parametrize("cluster", [two_islands, four_islands])
 def test_every_device_holds_the_buffers_priced(cluster):
     """One SPMD program gives every device the same buffers, each sized for the stage
     needing most: every stage is priced that (near what XLA allocates per device, a V100
@@ -655,8 +657,9 @@ def _three_steps(step, args, cluster, rtol=2e-3, late=False):
 
 
 @pytest.mark.parametrize("model,layout", [
-    ("mlp", "2x4"), ("bert", "4x2"),
-    pytest.param("bert", "4x2 late", marks=pytest.mark.slow),  # (late sends: tests below)
+    ("mlp", "2x4"),  # (late sends: tests below)
+    pytest.param("bert", "4x2", marks=pytest.mark.slow),
+    pytest.param("bert", "4x2 late", marks=pytest.mark.slow),
     pytest.param("gpt", "2x4", marks=pytest.mark.slow),
     pytest.param("gpt", "4x2", marks=pytest.mark.slow),
     pytest.param("gpt", "4x2 late", marks=pytest.mark.slow),
@@ -1482,6 +1485,7 @@ def test_the_search_finds_the_best_cut_under_its_own_prices(fast, slow, kind):
     assert found.fits and (False, found.step) == min(every)
 
 
+@pytest.mark.slow  # (a V runs free in test_freerun's gpt-V)
 def test_a_v_shaped_pipeline_is_priced_with_its_ends_on_one_island():
     """`plan_vshape` (run free only, `lower/freerun.py`): the first and last stages on one island, the
     middle on the other. The tied embedding's two ends then share devices, so nothing of
