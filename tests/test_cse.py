@@ -87,6 +87,7 @@ def test_spmd_runs_a_checkpointed_step_without_its_recomputation(name):
     _equals_jit(again, step, args)
 
 
+@pytest.mark.slow  # (~15 s; the checkpointed scan_gpt run stays)
 def test_auto_reports_the_spmd_time_whichever_program_it_keeps():
     """`pipeline="auto"` on islands, the step as written against it with its
     recomputation undone: whichever plan is kept, `baselines["SPMD"]` is the better

@@ -541,6 +541,7 @@ def test_a_pipeline_with_one_working_stage_says_it_is_gradient_accumulation():
     assert not any("in effect" in x or "holds no ops" in x for x in working.stage_lines())
 
 
+@pytest.mark.slow  # (~30 s; CI runs it)
 def test_one_stage_over_every_device_is_gradient_accumulation():
     """Beside pipelines, the search prices one stage over every device: data parallel at
     FLOP/s-proportional rows in microbatches, the gradients summed over all devices once
