@@ -22,11 +22,11 @@ demo: $(STAMP)
 	$(BIN)/hapsynth demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(WORKERS)
+	$(BIN)/python -m pytest -q -n $(WORKERS) --dist worksteal
 	$(MAKE) wheel-check
 
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(WORKERS) -m slow
+	$(BIN)/python -m pytest -q -n $(WORKERS) --dist worksteal -m slow
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(WORKERS) -m "slow or not slow"
