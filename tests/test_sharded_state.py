@@ -105,6 +105,17 @@ def test_planner_shards_state_where_replicated_state_does_not_fit(gpt, roomy):
     assert plan.memory["slow"]["total"] <= cap
     assert plan.memory["slow"]["state"] < replicated / 2  # (sharded without being told)
 
+    got = _three_steps_match_jit(par, step, args)
+    held = held_bytes(got[:2])
+    assert len(held) == 8
+    for d, nbytes in held.items():
+        assert nbytes <= plan.memory["fast" if d.id < 2 else "slow"]["state"]
+
+
+def _three_steps_match_jit(par, step, args, slack: float = 1.25):
+    """Three steps of `par` equal one-device `jax.jit` within what `jax.jit`'s own data
+    parallelism over the same devices gives (times `slack`); returns the last step's
+    results."""
     ref, dp = jax.jit(step), _jit_data_parallel(step, args)
     want, theirs, got = args[:2], args[:2], args[:2]
     eps = float(np.finfo(np.float32).eps)
@@ -116,12 +127,45 @@ def test_planner_shards_state_where_replicated_state_does_not_fit(gpt, roomy):
         ours = _max_error(hs.gather(got[:2]), want[:2])
         scales = [max(float(np.max(np.abs(np.asarray(w)))), 1.0) for w in jax.tree.leaves(want[:2])]
         worse = [(k, e, t) for k, (e, t, s) in enumerate(zip(ours, tol, scales))
-                 if e > max(1.25 * t, 4 * eps * s)]  # (rounding: within 6% here)
+                 if e > max(slack * t, 4 * eps * s)]  # (rounding: within 6% here)
         assert not worse, f"leaves further from one device than jit's data parallelism: {worse}"
-    held = held_bytes(got[:2])
-    assert len(held) == 8
-    for d, nbytes in held.items():
+    return got
+
+
+@pytest.fixture(scope="module")
+def segmented(gpt):
+    """Memory below what recomputing the cheap activations needs (5 MiB a slow device)."""
+    step, args = gpt
+    cap = 5 * 2**20
+    par = hs.parallelize(step, cluster=cluster(2 * cap, cap), time_limit=2, devices="all",
+                         verbose=False)
+    return par, par.plan(*args), cap
+
+
+def test_too_big_for_cheap_recomputation_the_planner_checkpoints_by_segments(gpt, segmented):
+    """The planner recomputes the forward pass segment by segment (contractions too) with
+    the state sharded; the plan fits, runs equal to `jax.jit` (within 8x what `jax.jit`'s
+    own data parallelism gives: see the strict test below), and no device holds more
+    state than planned."""
+    step, args = gpt
+    par, plan, cap = segmented
+    assert plan.remat["target"] == "segments", plan.summary()
+    assert "checkpointed by segments" in plan.summary()
+    assert plan.memory["slow"]["total"] <= cap
+    got = _three_steps_match_jit(par, step, args, slack=8.0)
+    for d, nbytes in held_bytes(got[:2]).items():
         assert nbytes <= plan.memory["fast" if d.id < 2 else "slow"]["state"]
+    again = hs.Plan.from_json(plan.to_json())
+    reused = hs.parallelize(step, cluster=cluster(2 * cap, cap), plan=again, verbose=False)
+    np.testing.assert_allclose(np.asarray(hs.gather(reused(*args))[2]),
+                               np.asarray(hs.gather(par(*args))[2]), rtol=1e-6)
+
+
+@pytest.mark.xfail(strict=True, reason="known gap (issue 49): a plan recomputing by segments "
+                   "lands up to ~6x further from one device than jit's data parallelism")
+def test_checkpointed_plan_within_jit_data_parallel_tolerance(gpt, segmented):
+    step, args = gpt
+    _three_steps_match_jit(segmented[0], step, args)
 
 
 @pytest.mark.parametrize("model,config,setup", [

@@ -69,5 +69,10 @@ def fused_costs(prog: Program, costs: list[Cost]) -> list[Cost]:
 
 
 def fused_away(prog: Program, costs: list[Cost]) -> set[int]:
-    """Intermediates fused into their reader: they take no memory of their own."""
-    return {t for _, t, _, _ in _fusions(prog, costs)}
+    """Intermediates that take no memory of their own: fused into their reader, or an
+    `optimization_barrier`'s copy of a step input (remat's, `ir/remat.py`: XLA aliases it
+    to the input's buffer)."""
+    made = {t for e in prog.eqns for t in e.outputs}
+    aliases = {y for e in prog.eqns if e.primitive is _jax.BARRIER
+               for x, y in zip(e.inputs, e.outputs) if isinstance(x, int) and x not in made}
+    return {t for _, t, _, _ in _fusions(prog, costs)} | aliases

@@ -30,10 +30,15 @@ RECOMPUTABLE = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax
 MAX_CHAIN = 48  # eqns recomputed for one activation at most
 
 
-def recomputable(e: Eqn) -> bool:
+def recomputable(e: Eqn, deep: bool = False) -> bool:
+    """Cheap enough to recompute (`deep`: any deterministic op outside a loop, contractions
+    included, as `jax.checkpoint` saving nothing recomputes: `ir/checkpoint.py`)."""
     if e.loop is not None or e.name in _jax.LOOP_MARKERS or e.primitive.multiple_results:
         return False
     f = facts(e.name)
+    if deep:
+        return not (f.block is not None or e.primitive is _jax.BARRIER
+                    or "callback" in e.name or "rng" in e.name)
     return (f.follower and not f.free) or e.name in RECOMPUTABLE
 
 
@@ -177,13 +182,22 @@ def _one_round(prog: Program, target: float | None = None) -> Program | None:
     return _rewrite(prog, plans, readers, p)
 
 
-def _rewrite(prog: Program, plans: dict[int, list[int]], readers, p: int) -> Program:
+def _rewrite(prog: Program, plans: dict[int, list[int]], readers, p: int,
+             where: dict[int, int] | None = None, deep: bool = False) -> Program:
     """Insert each activation's recomputation before its first reader after the peak
-    (before the loop region that reader runs in) and point the later readers at it."""
+    (before the loop region that reader runs in; `where`: at the index given) and point
+    the later readers at it. `deep` (`ir/checkpoint.py`): the step inputs a recomputation
+    reads are copied there and every later reader reads the copy (a parameter sharded
+    between steps is gathered again for the backward pass, not held gathered from the
+    forward)."""
     eqns, avals = list(prog.eqns), list(prog.avals)
     start_of = {lp.id: lp.start for lp in prog.loops}
+    made = {t for e in eqns for t in e.outputs}
     at: dict[int, list[int]] = {}
     for t in plans:
+        if where is not None:
+            at.setdefault(where[t], []).append(t)
+            continue
         first = min(r for r in readers[t] if r > p)
         e = eqns[first]
         at.setdefault(start_of[e.loop] if e.loop is not None else first, []).append(t)
@@ -194,7 +208,7 @@ def _rewrite(prog: Program, plans: dict[int, list[int]], readers, p: int) -> Pro
         avals.append(aval)
         return len(avals) - 1
 
-    for where, ts in at.items():
+    for here, ts in at.items():
         ren: dict[int, int] = {}
         new: list[Eqn] = []
         todo = sorted({i for t in ts for i in plans[t]})
@@ -214,8 +228,10 @@ def _rewrite(prog: Program, plans: dict[int, list[int]], readers, p: int) -> Pro
             new.append(replace(e, inputs=tuple(ren.get(x, x) if isinstance(x, int) else x
                                                for x in e.inputs), outputs=outs,
                                source=(e.source + " (recomputed)").strip()))
-        inserted[where] = new
-        renamed[where] = {t: ren[t] for t in ts}
+        inserted[here] = new
+        renamed[here] = {t: ren[t] for t in ts}
+        if deep:
+            renamed[here].update({x: ren[x] for x in leaves if x not in made})
     # readers after the peak read the copy made at or before them
     points = sorted(renamed)
     out: list[Eqn] = []
@@ -230,12 +246,12 @@ def _rewrite(prog: Program, plans: dict[int, list[int]], readers, p: int) -> Pro
                 e = replace(e, inputs=tuple(sub.get(x, x) if isinstance(x, int) else x
                                             for x in e.inputs))
         out.append(e)
-    out = _drop_dead(out, prog.outputs, {id(e) for new in inserted.values() for e in new})
+    out = _drop_dead(out, prog.outputs, {id(e) for new in inserted.values() for e in new}, deep)
     params = {lp.id: (lp.length, lp.reverse) for lp in prog.loops}
     return replace(prog, eqns=tuple(out), avals=tuple(avals), loops=loops_of(out, params))
 
 
-def _drop_dead(eqns: list[Eqn], outputs, inserted: set) -> list[Eqn]:
+def _drop_dead(eqns: list[Eqn], outputs, inserted: set, deep: bool = False) -> list[Eqn]:
     """`eqns` less those whose results nothing reads, among the inserted ones and the
     recomputable originals: an activation made in the forward pass only for the backward,
     now recomputed there, or a copy whose readers a later copy took over (dead, XLA
@@ -243,16 +259,17 @@ def _drop_dead(eqns: list[Eqn], outputs, inserted: set) -> list[Eqn]:
     live = {o for o in outputs if isinstance(o, int)}
     kept = []
     for e in reversed(eqns):
-        if not (id(e) in inserted or recomputable(e)) or any(o in live for o in e.outputs):
+        if not (id(e) in inserted or recomputable(e, deep)) or any(o in live for o in e.outputs):
             kept.append(e)
             live.update(x for x in e.inputs if isinstance(x, int))
     kept.reverse()
     return kept
 
 
-def describe(before: Program, after: Program, target: float | None) -> dict:
+def describe(before: Program, after: Program, target: float | str | None) -> dict:
     """What `rematerialize(before, target)` did, for `Plan.remat`: its target (to do it
-    again on a saved plan's program), ops recomputed, peak bytes before and after."""
+    again on a saved plan's program; "segments": `checkpoint.checkpointed(before)`), ops
+    recomputed, peak bytes before and after."""
     return {"target": target,
             "recomputed": sum(e.source.endswith("(recomputed)") for e in after.eqns)
             - sum(e.source.endswith("(recomputed)") for e in before.eqns),

@@ -44,6 +44,30 @@ def fsdp_assign(tables, batch_assign) -> list[int]:
     switched = switch_classes(tables, out, list(dict.fromkeys(chosen)))
     for n in tail:
         out[n] = switched[n]
+    return _copies_follow(st, out)
+
+
+def _copies_follow(st, assign) -> list[int]:
+    """A node that only copies a state leaf (checkpointing's copy for the backward pass,
+    `ir/checkpoint.py`) keeps the leaf's stored layout: FSDP gathers the parameter again
+    from its shards there."""
+    graph = st.graph
+    out = list(assign)
+    for n, node in enumerate(graph.nodes):
+        ops = [graph.ops[o] for o in node.ops]
+        if not all(op.primitive == "optimization_barrier" for op in ops):
+            continue
+        for op in ops:
+            x, y = op.inputs[0], op.outputs[0]
+            t_out = st.pairs.get(x)
+            owner = st.producer_node.get(t_out) if t_out is not None else None
+            if owner is None:
+                continue
+            lay = st.strategies[owner][out[owner]].layouts.get(t_out, R)
+            for s, strat in enumerate(st.strategies[n]):
+                if strat.layouts.get(y, R) == lay:
+                    out[n] = s
+                    break
     return out
 
 

@@ -134,48 +134,65 @@ class MemoryModel:
 
 class _Gathers:
     """The all-gathers' buffers of `tables`' edges, as arrays: which producer strategy
-    makes one and of what size, when it is born and dies, and which consumer strategies
-    need it (so an assignment's live buffers are a few array operations)."""
+    makes one and of what size, and which consumer strategies need it, reading it from
+    which op to which (so an assignment's live buffers are a few array operations). A
+    buffer lives from the first op that reads it to the last, among the consumers that
+    need it under the assignment: a parameter gathered for the forward pass and gathered
+    again for the backward is two buffers, not one held in between."""
 
     def __init__(self, tables: Tables, n_ops: int):
         rows = [(e, gathered_bytes(tables, e)) for e in tables.edges]
         rows = [(e, b) for e, b in rows if b.any()]
         width = max((len(b) for _, b in rows), default=1)
+        self.n_ops = n_ops
         self.src = np.array([e.src for e, _ in rows], int)
         self.bytes = np.zeros((len(rows), width))
         for k, (_, b) in enumerate(rows):
             self.bytes[k, :len(b)] = b
-        self.birth = np.array([e.position for e, _ in rows], int)
-        self.death = np.array([min(e.last, n_ops - 1) + 1 for e, _ in rows], int)
+        self.position = np.array([e.position for e, _ in rows], int)
+        self.deferred = np.array([e.deferred for e, _ in rows], bool)
+        self.end = np.array([min(e.last, n_ops - 1) + 1 for e, _ in rows], int)
         self.always = np.array([-1 in e.consumers for e, _ in rows], bool)
-        pairs = [(k, n, s_) for k, (e, _) in enumerate(rows)
+        pairs = [(k, n, s_, *e.spans.get(n, (e.position, e.last)))
+                 for k, (e, _) in enumerate(rows)
                  for n, ss in e.consumers.items() if n >= 0 for s_ in ss]
-        self.edge, self.node, self.strategy = (np.array(x, int) for x in (
-            zip(*pairs) if pairs else ((), (), ())))
+        self.edge, self.node, self.strategy, self.first, self.last = (np.array(x, int) for x in (
+            zip(*pairs) if pairs else ((), (), (), (), ())))
 
-    def sizes(self, assign) -> np.ndarray:
-        """Per edge: the bytes of its buffer under `assign` (0: none made or not needed)."""
-        if not len(self.src):
-            return np.zeros(0)
+    def spans(self, assign) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per edge under `assign`: the bytes of its buffer (0: none made or not needed),
+        the op it is made before and the op after which it is freed."""
+        m = len(self.src)
+        if not m:
+            return np.zeros(0), np.zeros(0, int), np.zeros(0, int)
         a = np.asarray(assign)
         hit = a[self.node] == self.strategy
-        needed = self.always | (np.bincount(self.edge[hit], minlength=len(self.src)) > 0)
-        return np.where(needed, self.bytes[np.arange(len(self.src)), a[self.src]], 0.0)
+        birth = np.full(m, self.n_ops, int)
+        death = np.where(self.always, self.end, 0)
+        np.minimum.at(birth, self.edge[hit], self.first[hit])
+        np.maximum.at(death, self.edge[hit], np.minimum(self.last[hit], self.n_ops - 1) + 1)
+        birth = np.where(self.deferred | self.always, np.minimum(birth, self.position), birth)
+        needed = self.always | (np.bincount(self.edge[hit], minlength=m) > 0)
+        z = np.where(needed, self.bytes[np.arange(m), a[self.src]], 0.0)
+        return z, birth, death
+
+    def sizes(self, assign) -> np.ndarray:
+        return self.spans(assign)[0]
 
     def live(self, assign, n_ops: int) -> np.ndarray:
         """Buffer bytes live after each op."""
         held = np.zeros(n_ops + 1)
-        z = self.sizes(assign)
-        ok = (z > 0) & (self.birth < self.death)
-        np.add.at(held, self.birth[ok], z[ok])
-        np.add.at(held, self.death[ok], -z[ok])
+        z, birth, death = self.spans(assign)
+        ok = (z > 0) & (birth < death)
+        np.add.at(held, birth[ok], z[ok])
+        np.add.at(held, death[ok], -z[ok])
         return np.cumsum(held)[:-1]
 
     def at(self, assign, p: int) -> dict[int, np.ndarray]:
         """Per producer node: bytes per its strategy of the buffers live at op `p` (as long
         as their readers stay as they are)."""
-        z = self.sizes(assign)
+        z, birth, death = self.spans(assign)
         out: dict[int, np.ndarray] = {}
-        for k in np.flatnonzero((z > 0) & (self.birth <= p) & (p < self.death)):
+        for k in np.flatnonzero((z > 0) & (birth <= p) & (p < death)):
             out[int(self.src[k])] = out.get(int(self.src[k]), 0.0) + self.bytes[k]
         return out

@@ -89,7 +89,9 @@ class Plan:
             return (f"the step's own recomputation undone, {r['merged']} ops merged into the "
                     f"forward (activations at the peak {r['peak_before'] / 2**30:.1f} -> "
                     f"{r['peak_after'] / 2**30:.1f} GiB in all)")
-        return (f"{r['recomputed']} ops recomputed in the backward pass (activations at the "
+        how = (" (the forward pass checkpointed by segments, contractions too)"
+               if r.get("target") == "segments" else "")
+        return (f"{r['recomputed']} ops recomputed in the backward pass{how} (activations at the "
                 f"peak {r['peak_before'] / 2**30:.1f} -> {r['peak_after'] / 2**30:.1f} GiB in all)")
 
     @property

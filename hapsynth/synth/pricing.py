@@ -10,7 +10,7 @@ after the last contraction): conversions read only on the way to the tail are
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from types import MappingProxyType
 from typing import Mapping
@@ -125,6 +125,7 @@ class Edge:
     pooled: frozenset = frozenset()  # layouts whose all-reduce is combined with others':
     #                                  priced by bandwidth, the group's latency apart
     last: int = -1                  # the last op reading the converted value (its lifetime's end)
+    spans: Mapping[int, tuple] = field(default_factory=dict)  # consumer node -> (first, last) op reading it
 
     def seconds(self, layout: Layout) -> float:
         return self.conversions.get(layout, (None, None, 0.0))[2]
@@ -214,11 +215,22 @@ def price(st: Structure, cluster: Cluster, class_shares, only: list[int] | None 
                                     graph.tensors[t].producer)
         edges.append(Edge(src, t, need.layout, layouts, need.consumers,
                           MappingProxyType(convs), deferred, pos, need.repeat,
-                          last=max(need.ops, default=len(graph.ops))))
+                          last=max(need.ops, default=len(graph.ops)),
+                          spans=_spans(graph, need.ops)))
     edges, combined = _combine(edges, graph, pr)
     group_latency = collectives.all_reduce_latency(cluster)
     return Tables(st, pr, tuple(main), tuple(tail), tuple(main_at), tuple(edges), group_latency,
                   combined)
+
+
+def _spans(graph: Graph, ops) -> MappingProxyType:
+    """Per node: the first and last of `ops` in it."""
+    out: dict[int, tuple[int, int]] = {}
+    for o in ops:
+        n = graph.ops[o].node
+        a, b = out.get(n, (o, o))
+        out[n] = (min(a, o), max(b, o))
+    return MappingProxyType(out)
 
 
 #: XLA's GPU all-reduce combiner merges up to this many bytes into one all-reduce.

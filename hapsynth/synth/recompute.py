@@ -16,6 +16,7 @@ import jax
 
 from hapsynth.cluster import Cluster
 from hapsynth.ir import lift_program
+from hapsynth.ir.checkpoint import checkpointed
 from hapsynth.ir.cse import merge_recomputed
 from hapsynth.ir.remat import cannot_fit, describe, rematerialize, room, undone
 from hapsynth.ir.unroll import written_out
@@ -119,7 +120,8 @@ class Planning:
     def recomputed(self, unfit: InfeasibleMemory | None) -> tuple[Plan, object]:
         """No plan holds the step as written (`unfit`; None: not tried, hopeless): as
         little recomputation as the memory may need (data parallelism holds the state
-        whole on every device), then all of it."""
+        whole on every device), then all cheap activations, then the forward pass
+        recomputed segment by segment (`ir/checkpoint.py`: contractions too)."""
         prog = self.prog
         state = sum(prog.avals[t].nbytes for t in prog.inputs[:self.n])
         target = 0.9 * room(self.memories, state)
@@ -127,6 +129,9 @@ class Planning:
         tries = [(p, t) for p, t in ((light, target), (full, None)) if p is not None]
         if light is not None and full is not None and len(light.eqns) == len(full.eqns):
             tries = [(full, None)]
+        segments = checkpointed(prog)
+        if segments is not None:
+            tries.append((segments, "segments"))
         if not tries:  # nothing cheap to recompute
             if unfit is None:
                 return self.plan_of(prog), prog  # raises, naming the device class and the shortfall
@@ -137,7 +142,7 @@ class Planning:
             except InfeasibleMemory as err:
                 unfit = err
                 continue
-            if t is not None and plan.devices is not None and full is not None:
+            if isinstance(t, float) and plan.devices is not None and full is not None:
                 plan = self.on_every_device(plan, full)
             return self.done(plan)
         raise InfeasibleMemory(f"{unfit} (with activations recomputed in the backward pass)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from hapsynth.cluster import Cluster
 from hapsynth.ir import lift_program
 from hapsynth.ir.cse import merge_recomputed
+from hapsynth.ir.checkpoint import checkpointed
 from hapsynth.ir.remat import rematerialize
 from hapsynth.ir.signature import of_graph
 from hapsynth.ir.unroll import unroll, unrollable
@@ -21,6 +22,8 @@ def program_of(plan: Plan, prog, merge=merge_recomputed):
     `merge_recomputed`, or a cache of it)."""
     if plan.remat and plan.remat.get("undone"):
         prog = undone_program(prog, plan.remat.get("unrolled"), merge)[1]
+    elif plan.remat and plan.remat["target"] == "segments":
+        prog = checkpointed(prog)
     elif plan.remat:
         prog = rematerialize(prog, plan.remat["target"])
     unrolled = plan.pipeline.get("unrolled") if plan.pipeline else None
