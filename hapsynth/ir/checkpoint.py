@@ -58,14 +58,31 @@ def checkpointed(prog: Program) -> Program | None:
             continue
         plans[t] = need
         segment_of[t] = int(np.searchsorted(bounds, producer[t]))
-    where = _points(prog, p, plans, segment_of, producer)
+    inputs = _segment_inputs(prog, p, bounds, producer, readers)
+    where = _points(prog, p, plans, segment_of, producer, inputs)
     plans = {t: c for t, c in plans.items() if t in where}
     if not plans:
         return None
-    return _rewrite(prog, plans, _all_readers(prog), p, where=where, deep=True)
+    copies: dict[int, set] = {}
+    for t, at in where.items():
+        copies.setdefault(at, set()).update(inputs.get(segment_of[t], ()))
+    return _rewrite(prog, plans, _all_readers(prog), p, where=where, deep=True, copies=copies)
 
 
-def _points(prog: Program, p: int, plans: dict, segment_of: dict, producer) -> dict[int, int]:
+def _segment_inputs(prog: Program, p: int, bounds, producer, readers) -> dict[int, set]:
+    """Per segment: the step inputs its forward ops read that the backward reads again (a
+    weight read by its own gradient's product and by the product passing the gradient
+    on, not only by the recomputation)."""
+    out: dict[int, set] = {}
+    for i, e in enumerate(prog.eqns[:p + 1]):
+        for x in e.inputs:
+            if isinstance(x, int) and x not in producer and any(r > p for r in readers.get(x, ())):
+                out.setdefault(int(np.searchsorted(bounds, i)), set()).add(x)
+    return out
+
+
+def _points(prog: Program, p: int, plans: dict, segment_of: dict, producer,
+            inputs: dict) -> dict[int, int]:
     """Per recomputed tensor: where its segment is recomputed. Segments are taken in the
     backward pass's order (last first); each is recomputed before the first backward op,
     after the previous segment's point, that reads one of its activations or a step
@@ -82,7 +99,7 @@ def _points(prog: Program, p: int, plans: dict, segment_of: dict, producer) -> d
     for k in sorted(members, reverse=True):
         ts = set(members[k])
         leaves = {x for t in ts for i in plans[t] for x in eqns[i].inputs
-                  if isinstance(x, int) and x not in producer}
+                  if isinstance(x, int) and x not in producer} | inputs.get(k, set())
         first = min((at[r] for x in ts | leaves for r in readers.get(x, ()) if at[r] > point),
                     default=None)
         if first is None:

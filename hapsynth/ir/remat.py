@@ -183,13 +183,14 @@ def _one_round(prog: Program, target: float | None = None) -> Program | None:
 
 
 def _rewrite(prog: Program, plans: dict[int, list[int]], readers, p: int,
-             where: dict[int, int] | None = None, deep: bool = False) -> Program:
+             where: dict[int, int] | None = None, deep: bool = False,
+             copies: dict[int, set] | None = None) -> Program:
     """Insert each activation's recomputation before its first reader after the peak
     (before the loop region that reader runs in; `where`: at the index given) and point
     the later readers at it. `deep` (`ir/checkpoint.py`): the step inputs a recomputation
     reads are copied there and every later reader reads the copy (a parameter sharded
     between steps is gathered again for the backward pass, not held gathered from the
-    forward)."""
+    forward; `copies`: more step inputs copied so, per insertion index)."""
     eqns, avals = list(prog.eqns), list(prog.avals)
     start_of = {lp.id: lp.start for lp in prog.loops}
     made = {t for e in eqns for t in e.outputs}
@@ -214,7 +215,8 @@ def _rewrite(prog: Program, plans: dict[int, list[int]], readers, p: int,
         todo = sorted({i for t in ts for i in plans[t]})
         cloned_outs = {o for i in todo for o in eqns[i].outputs}
         leaves = sorted({x for i in todo for x in eqns[i].inputs
-                         if isinstance(x, int) and x not in cloned_outs})
+                         if isinstance(x, int) and x not in cloned_outs}
+                        | (copies or {}).get(here, set()))
         for x in leaves:  # the barrier keeps XLA from merging the copy with the original
             # (inputs too: a copy reading only inputs would be the very same op)
             y = fresh(avals[x])

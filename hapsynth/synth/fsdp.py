@@ -48,26 +48,23 @@ def fsdp_assign(tables, batch_assign) -> list[int]:
 
 
 def _copies_follow(st, assign) -> list[int]:
-    """A node that only copies a state leaf (checkpointing's copy for the backward pass,
-    `ir/checkpoint.py`) keeps the leaf's stored layout: FSDP gathers the parameter again
-    from its shards there."""
+    """A node copying a state leaf (checkpointing's copy for the backward pass,
+    `ir/checkpoint.py`) keeps the leaf's stored layout for the copy where it has such a
+    strategy: FSDP gathers the parameter again from its shards there."""
     graph = st.graph
     out = list(assign)
     for n, node in enumerate(graph.nodes):
-        ops = [graph.ops[o] for o in node.ops]
-        if not all(op.primitive == "optimization_barrier" for op in ops):
-            continue
-        for op in ops:
-            x, y = op.inputs[0], op.outputs[0]
-            t_out = st.pairs.get(x)
+        for o in node.ops:
+            op = graph.ops[o]
+            t_out = st.pairs.get(op.inputs[0]) if op.primitive == "optimization_barrier" else None
             owner = st.producer_node.get(t_out) if t_out is not None else None
-            if owner is None:
+            if owner is None or owner == n:
                 continue
             lay = st.strategies[owner][out[owner]].layouts.get(t_out, R)
-            for s, strat in enumerate(st.strategies[n]):
-                if strat.layouts.get(y, R) == lay:
-                    out[n] = s
-                    break
+            same = [s for s, strat in enumerate(st.strategies[n])
+                    if strat.layouts.get(op.outputs[0], R) == lay]
+            if same and out[n] not in same:
+                out[n] = same[0]
     return out
 
 

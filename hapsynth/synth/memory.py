@@ -9,7 +9,9 @@ producer to its last reader (outputs to the end), unless XLA fuses it into its o
 reader (`Tensor.fused`: never held); the peak over program order counts.
 Buffers: an all-gather's result is a new, larger value beside its shard (a parameter
 stored sharded and gathered for its readers), live from its first reader to its last;
-an all-reduce or reduce-scatter works in place of its partial sum.
+an all-reduce works in place of its partial sum; a reduce-scatter frees the partial
+sum, leaving its shard (a gradient reduce-scattered to a sharded update is held whole
+only until then).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hapsynth.ir.layout import R
-from hapsynth.synth.collectives import ALL_GATHER
+from hapsynth.synth.collectives import ALL_GATHER, REDUCE_SCATTER
 from hapsynth.synth.pricing import Tables
 
 
@@ -91,6 +93,9 @@ class MemoryModel:
                 per.append((sb, np.array(births, int), np.array(deaths, int), np.array(sizes)))
             self.rows.append(per)
         self.gathers = _Gathers(tables, n_ops)
+        ends = {t: n_ops if t in outputs else last_use[t] + 1 for t in last_use}
+        ends.update({t: n_ops for t in outputs})
+        self.scatters = _Scatters(tables, ends, state)
 
     def profile(self, assign) -> tuple[float, np.ndarray, np.ndarray]:
         """(state bytes, live activation bytes after each op, live buffer bytes after each
@@ -102,6 +107,7 @@ class MemoryModel:
             state += sb
             np.add.at(diff, b, z)
             np.add.at(diff, d, -z)
+        self.scatters.apply(assign, diff)
         held = self.gathers.live(assign, self.n_ops)
         return state, np.cumsum(diff)[:-1], held
 
@@ -122,6 +128,8 @@ class MemoryModel:
         row, as long as its readers stay as they are)."""
         p = self.per_device(assign).peak_op
         extra = self.gathers.at(assign, p)
+        for n, x in self.scatters.at(assign, p).items():
+            extra[n] = extra.get(n, 0.0) - x
         out = []
         for n, per in enumerate(self.rows):
             vals = [sb + float(z[(b <= p) & (d > p)].sum()) for sb, b, d, z in per]
@@ -129,6 +137,77 @@ class MemoryModel:
                 vals = [v + float(x) for v, x in zip(vals, extra[n])]
             if any(vals):
                 out.append((n, vals))
+        return out
+
+
+class _Scatters:
+    """Partial sums reduce-scattered (a gradient on its way to a sharded update, ZeRO-2's
+    form): the full partial lives until its reduce-scatter, the shard it leaves from
+    then on. As arrays: per edge and producer strategy, the bytes freed, from where to
+    the tensor's end; it counts where every conversion of the tensor the assignment needs
+    is a reduce-scatter (the partial is freed once all are made; their shards stay)."""
+
+    def __init__(self, tables: Tables, ends: dict, state: set):
+        graph = tables.structure.graph
+        edges = tables.edges
+        tensors = sorted({e.tensor for e in edges})
+        index = {t: i for i, t in enumerate(tensors)}
+        self.n_tensors = len(tensors)
+        self.of = np.array([index[e.tensor] for e in edges], int)
+        self.always_all = np.array([-1 in e.consumers for e in edges], bool)
+        pairs = [(k, n, s_) for k, e in enumerate(edges)
+                 for n, ss in e.consumers.items() if n >= 0 for s_ in ss]
+        self.p_edge, self.p_node, self.p_strategy = (np.array(x, int) for x in (
+            zip(*pairs) if pairs else ((), (), ())))
+        rows = []
+        for k, e in enumerate(edges):
+            t = e.tensor
+            if t in state or t not in ends or e.position + 1 >= ends[t]:
+                continue
+            nbytes = graph.tensors[t].nbytes
+            kept = layout_bytes(tables, e.need, nbytes)
+            freed = np.array([float(nbytes) if lay.partial and e.conversions.get(
+                lay, ("",))[0] == REDUCE_SCATTER else 0.0 for lay in e.layouts])
+            if freed.any():
+                rows.append((k, e.src, freed, e.position + 1, ends[t], kept))
+        width = max((len(r[2]) for r in rows), default=1)
+        self.edge = np.array([r[0] for r in rows], int)
+        self.src = np.array([r[1] for r in rows], int)
+        self.full = np.zeros((len(rows), width))  # per producer strategy: the partial's bytes
+        for i, r in enumerate(rows):
+            self.full[i, :len(r[2])] = r[2]
+        self.start = np.array([r[3] for r in rows], int)
+        self.end = np.array([r[4] for r in rows], int)
+        self.kept = np.array([r[5] for r in rows], float)
+
+    def sizes(self, assign) -> np.ndarray:
+        if not len(self.src):
+            return np.zeros(0)
+        a = np.asarray(assign)
+        hit = a[self.p_node] == self.p_strategy
+        needed = self.always_all | (np.bincount(self.p_edge[hit], minlength=len(self.of)) > 0)
+        full = self.full[np.arange(len(self.src)), a[self.src]]
+        mine = needed[self.edge] & (full > 0)
+        per_tensor = np.bincount(self.of[needed], minlength=self.n_tensors)
+        scattered = np.bincount(self.of[self.edge[mine]], minlength=self.n_tensors)
+        t = self.of[self.edge]
+        every = mine & (per_tensor[t] == scattered[t])
+        share = full / np.maximum(scattered[t], 1) - self.kept
+        return np.where(every, np.maximum(share, 0.0), 0.0)
+
+    def apply(self, assign, diff: np.ndarray) -> None:
+        """Take the freed bytes off `diff` (per op, before the cumulative sum)."""
+        z = self.sizes(assign)
+        ok = z > 0
+        np.add.at(diff, self.start[ok], -z[ok])
+        np.add.at(diff, self.end[ok], z[ok])
+
+    def at(self, assign, p: int) -> dict[int, np.ndarray]:
+        """Per producer node: bytes freed per its strategy at op `p`."""
+        z = self.sizes(assign)
+        out: dict[int, np.ndarray] = {}
+        for k in np.flatnonzero((z > 0) & (self.start <= p) & (p < self.end)):
+            out[int(self.src[k])] = out.get(int(self.src[k]), 0.0) + self.full[k] - self.kept[k]
         return out
 
 
