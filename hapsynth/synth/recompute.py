@@ -18,7 +18,7 @@ from hapsynth.cluster import Cluster
 from hapsynth.ir import lift_program
 from hapsynth.ir.checkpoint import checkpointed
 from hapsynth.ir.cse import merge_recomputed
-from hapsynth.ir.remat import cannot_fit, describe, rematerialize, room, undone
+from hapsynth.ir.remat import cannot_fit, describe, peak_bytes, rematerialize, room, undone
 from hapsynth.ir.unroll import written_out
 from hapsynth.synth.choose import (check_remat, considers_pipeline, data_parallel_or_none,
                                    dp_prices, fitting_data_parallel, make_plan, sooner,
@@ -132,6 +132,10 @@ class Planning:
         segments = checkpointed(prog)
         if segments is not None:
             tries.append((segments, "segments"))
+        # (a try whose activations the devices cannot hold even beside fully sharded state
+        # is skipped: planning a 6.7B model costs minutes a try)
+        spread = room(self.memories, state / len(self.memories))
+        tries = [x for x in tries[:-1] if peak_bytes(x[0]) <= spread] + tries[-1:]
         if not tries:  # nothing cheap to recompute
             if unfit is None:
                 return self.plan_of(prog), prog  # raises, naming the device class and the shortfall
