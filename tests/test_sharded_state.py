@@ -179,3 +179,22 @@ def test_predicted_memory_is_within_a_quarter_of_xla(model, config, setup):
 
     predicted, xla, _ = measure(model, config, setup)
     assert 0.75 <= predicted / xla <= 1.25, (predicted, xla)
+
+
+@pytest.mark.slow  # (~20 s: a plan and one more compile)
+def test_sharded_plan_memory_is_within_a_quarter_of_xla(gpt, roomy):
+    """With the state sharded (its gradients reduce-scattered, its parameters gathered for
+    their readers), the predicted bytes per device are within 25% of XLA's
+    `memory_analysis()` of the lowered program, state donated."""
+    step, args = gpt
+    cap = int((roomy.baseline_memory["FSDP"] + min(roomy.baseline_memory["DP-EV"],
+                                                    roomy.baseline_memory["DP-CP"])) / 2)
+    par = hs.parallelize(step, cluster=cluster(2 * cap, cap), time_limit=2, devices="all",
+                         remat=False, verbose=False, donate_argnums=(0, 1))
+    plan = par.plan(*args)
+    assert plan.memory["slow"]["state"] < sum(x.nbytes for x in jax.tree.leaves(args[:2])) / 2
+    low = par.lowered(*args)
+    m = low._fn.lower(*low._stored(jax.tree.leaves(args))).compile().memory_analysis()
+    xla = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+           + m.temp_size_in_bytes)
+    assert 0.75 <= plan.memory["slow"]["total"] / xla <= 1.25, (plan.memory["slow"], xla)

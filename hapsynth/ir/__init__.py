@@ -2,7 +2,8 @@
 
 trace.py (jaxpr -> flat Program) -> rules/ (per-primitive factors and costs)
 -> coarsen.py (nodes) -> lift.py (Graph) -> report.py (`inspect`). Programs rewritten
-before planning: remat.py (activations recomputed), unroll.py (loops written out),
+before planning: remat.py (cheap activations recomputed), checkpoint.py (the forward
+pass recomputed by segments), unroll.py (loops written out),
 cse.py (the step's own recomputation undone).
 """
 from hapsynth.ir.graph import BLOCKED, PARALLEL, REDUCTION, Cost, Factor, Graph, Node, Op, Rule, Tensor
