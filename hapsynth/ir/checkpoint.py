@@ -28,7 +28,7 @@ MAX_SEGMENT = 4000  # eqns recomputed for one segment at most
 def checkpointed(prog: Program) -> Program | None:
     """`prog` with each forward segment recomputed before its backward pass, keeping only
     what crosses the cuts; None where the forward has no cut or nothing is recomputed."""
-    eqns, avals = prog.eqns, prog.avals
+    eqns = prog.eqns
     if not eqns:
         return None
     p = int(np.argmax(live_profile(prog)))  # the end of the forward pass
@@ -53,7 +53,7 @@ def checkpointed(prog: Program) -> Program | None:
     for t in held:
         if not recomputable(eqns[producer[t]], deep=True):
             continue
-        need = _chain(t, eqns, producer, keep, deep=True)
+        need = _chain(t, eqns, producer, keep)
         if need is None:
             continue
         plans[t] = need
@@ -156,7 +156,7 @@ def _cuts(prog: Program, p: int, producer, readers, fused) -> tuple[list[int], s
     return best[1], best[2]
 
 
-def _chain(t: int, eqns, producer, keep: set, deep: bool) -> list[int] | None:
+def _chain(t: int, eqns, producer, keep: set) -> list[int] | None:
     """Eqns (in program order) recomputing `t` from `keep` and the step's inputs; None
     where that needs a value no eqn may recompute, or more than `MAX_SEGMENT` eqns."""
     need, todo, seen = set(), [t], set()
@@ -166,7 +166,7 @@ def _chain(t: int, eqns, producer, keep: set, deep: bool) -> list[int] | None:
             continue
         seen.add(u)
         i = producer[u]
-        if not recomputable(eqns[i], deep):
+        if not recomputable(eqns[i], deep=True):
             return None
         need.add(i)
         if len(need) > MAX_SEGMENT:

@@ -125,16 +125,19 @@ class Planning:
         prog = self.prog
         state = sum(prog.avals[t].nbytes for t in prog.inputs[:self.n])
         target = 0.9 * room(self.memories, state)
-        light, full = rematerialize(prog, target), rematerialize(prog)
+        # (a try whose activations no set of devices can hold even beside fully sharded
+        # state is skipped: planning a 6.7B model costs minutes a try; recomputing less
+        # than all the cheap activations holds more)
+        spread = room(self.memories, state / len(self.memories))
+        full = rematerialize(prog)
+        light = (rematerialize(prog, target) if full is None or peak_bytes(full) <= spread
+                 else None)
         tries = [(p, t) for p, t in ((light, target), (full, None)) if p is not None]
         if light is not None and full is not None and len(light.eqns) == len(full.eqns):
             tries = [(full, None)]
         segments = checkpointed(prog)
         if segments is not None:
             tries.append((segments, "segments"))
-        # (a try whose activations the devices cannot hold even beside fully sharded state
-        # is skipped: planning a 6.7B model costs minutes a try)
-        spread = room(self.memories, state / len(self.memories))
         tries = [x for x in tries[:-1] if peak_bytes(x[0]) <= spread] + tries[-1:]
         if not tries:  # nothing cheap to recompute
             if unfit is None:
