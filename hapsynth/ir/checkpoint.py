@@ -59,14 +59,15 @@ def checkpointed(prog: Program) -> Program | None:
         plans[t] = need
         segment_of[t] = int(np.searchsorted(bounds, producer[t]))
     inputs = _segment_inputs(prog, p, bounds, producer, readers)
-    where = _points(prog, p, plans, segment_of, producer, inputs)
+    plain = _all_readers(prog)
+    where = _points(prog, p, plans, segment_of, producer, inputs, plain)
     plans = {t: c for t, c in plans.items() if t in where}
     if not plans:
         return None
     copies: dict[int, set] = {}
     for t, at in where.items():
         copies.setdefault(at, set()).update(inputs.get(segment_of[t], ()))
-    return _rewrite(prog, plans, _all_readers(prog), p, where=where, deep=True, copies=copies)
+    return _rewrite(prog, plans, plain, p, where=where, deep=True, copies=copies)
 
 
 def _segment_inputs(prog: Program, p: int, bounds, producer, readers) -> dict[int, set]:
@@ -82,7 +83,7 @@ def _segment_inputs(prog: Program, p: int, bounds, producer, readers) -> dict[in
 
 
 def _points(prog: Program, p: int, plans: dict, segment_of: dict, producer,
-            inputs: dict) -> dict[int, int]:
+            inputs: dict, readers: dict) -> dict[int, int]:
     """Per recomputed tensor: where its segment is recomputed. Segments are taken in the
     backward pass's order (last first); each is recomputed before the first backward op,
     after the previous segment's point, that reads one of its activations or a step
@@ -94,7 +95,6 @@ def _points(prog: Program, p: int, plans: dict, segment_of: dict, producer,
     members: dict[int, list[int]] = {}
     for t, k in segment_of.items():
         members.setdefault(k, []).append(t)
-    readers = _all_readers(prog)
     point, out = p, {}
     for k in sorted(members, reverse=True):
         ts = set(members[k])
