@@ -127,8 +127,8 @@ def parallelize(train_step=None, *, cluster, donate_argnums=(), **options):
     `donate_argnums` as in `jax.jit`: those arguments' buffers (e.g. params and optimizer
     state fed back from the previous step) are reused by the step and deleted. `plan=` a
     saved `hs.Plan` uses it instead of synthesising; it must be for this very program.
-    Other options: `time_limit`, `seed`, `workers`, `min_gain`, `strategy` ("auto" or
-    "data-parallel"), `shares` (data-parallel only), `pipeline` ("auto": a pipeline across
+    Other options: `time_limit`, `seed`, `workers`, `min_gain`, `strategy` ("auto",
+    "data-parallel", or "fsdp": ZeRO-3, the FSDP baseline as the plan), `shares` (data-parallel only), `pipeline` ("auto": a pipeline across
     the cluster's islands when it prices faster than the best SPMD-only plan; True: a
     pipeline; False: SPMD only), `devices` ("auto": the plan may leave the slowest class,
     or all but the strongest island or host, idle when it prices faster that way; "all":

@@ -15,12 +15,14 @@ from hapsynth.view import plots
 pytest.importorskip("matplotlib")
 
 
-@pytest.fixture(scope="module", params=[("gpt", "cpu-2-6"), ("bert", "hap-v100x16-p100x48")])
+@pytest.fixture(scope="module", params=[("gpt", "cpu-2-6", "auto"),
+                                        ("bert", "hap-v100x16-p100x48", "auto"),
+                                        ("gpt", "hap-v100x16-p100x48", "fsdp")])
 def plan(request):
-    model, cluster = request.param
+    model, cluster, strategy = request.param
     step, args = get(model, "tiny")
     return hs.parallelize(step, cluster=hs.Cluster.load(cluster), time_limit=2, devices="all",
-                          verbose=False).plan(*args)
+                          strategy=strategy, verbose=False).plan(*args)
 
 
 def _per(spans, kind):
@@ -46,8 +48,9 @@ def test_timeline_covers_the_step_and_adds_up_to_the_breakdown(plan):
     inline = {round(s.start, 15): s.seconds for s in plan.timeline
               if s.kind == "collective" and s.lane == plan.classes[0]}
     assert sum(inline.values()) == pytest.approx(b["inline_comm"], rel=1e-9, abs=1e-15)
-    assert _per(plan.timeline, "wait")[plan.classes[0]] == pytest.approx(b["exposed_comm"],
-                                                                         rel=1e-9, abs=1e-15)
+    assert _per(plan.timeline, "wait")[plan.classes[0]] == pytest.approx(
+        b["exposed_comm"] + b["prefetch_wait"], rel=1e-9, abs=1e-15)
+    assert _per(plan.timeline, "prefetch")[SYNC] == pytest.approx(b["prefetched_comm"], rel=1e-9)
     assert hs.Plan.from_json(plan.to_json()).timeline == plan.timeline
 
 

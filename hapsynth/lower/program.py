@@ -59,6 +59,8 @@ class Lowered:
                                                      plan.tensor_layouts, prog.loops, prog.outputs)
         self._eval = branches.Segments(prog, plan, self.units, frozenset(cpu.keep_dot(prog.eqns)))
         self.forms = self._forms()
+        self.ahead = self._gathered_state()
+        self.stored_ids = {t for t, _ in self.ahead}
         self.mode = "gspmd" if gspmd and branch_hook is None and _gspmd.is_even(
             plan, self.units, (*self.in_layouts, *self.out_layouts)) else "shard_map"
         if self.mode == "gspmd":
@@ -96,6 +98,17 @@ class Lowered:
                for i, o in enumerate(outs)]
         return ins, out
 
+    def _gathered_state(self) -> list:
+        """The stored state converted by a collective for its readers outside loops, as
+        (tensor, layout), in the order segments first read them: each is gathered one
+        ahead, while the previous one's reader runs (as `timing.py` prices it)."""
+        stored = {t: lay for t, lay in zip(self.prog.inputs[:self.plan.state_leaves],
+                                           self.in_layouts) if lay.kind == "S"}
+        keys = [key for item in self.items if not isinstance(item, schedule.LoopSchedule)
+                for key in schedule.operands(self.prog.eqns, self.plan.op_inputs, item)
+                if key[0] in stored and key[1] != stored[key[0]]]
+        return list(dict.fromkeys(keys))
+
     def _forms(self) -> dict:
         """The collective form the plan priced, per (tensor, target layout); a state
         input is converted like its update."""
@@ -126,7 +139,8 @@ class Lowered:
         for t, v in prog.consts.items():
             env[t] = (v, R)
         run = _Run(self, env, {}, jnp.asarray(self.group_of)[lax.axis_index(AXIS)], extra,
-                   set(zip(prog.inputs, self.in_layouts)))
+                   set(zip(prog.inputs, self.in_layouts)), self.ahead)
+        run.convert(self.ahead[:1])  # the first gather of stored state, at once
         for item, exports in zip(self.items, self.exports):
             if isinstance(item, schedule.LoopSchedule):
                 run.loop(item)
@@ -229,9 +243,11 @@ class _Run:
     """One trace of the shard_map body: `env` holds every value made so far with its
     layout, `converted` every value converted for a reader, by (tensor, layout)."""
 
-    def __init__(self, low: Lowered, env: dict, converted: dict, group, extra, entry_keys):
+    def __init__(self, low: Lowered, env: dict, converted: dict, group, extra, entry_keys,
+                 ahead=()):
         self.low, self.env, self.converted = low, env, converted
         self.group, self.extra, self.entry_keys = group, extra, entry_keys
+        self.ahead = list(ahead)  # stored state to gather one ahead (`Lowered._gathered_state`)
 
     def convert(self, keys) -> None:
         """Convert what `keys` ((tensor, layout) pairs) name, outside any branch; partial
@@ -251,6 +267,10 @@ class _Run:
         low, plan = self.low, self.low.plan
         keys = schedule.operands(low.prog.eqns, plan.op_inputs, seg)
         self.convert(keys)
+        while self.ahead and self.ahead[0] in self.converted:
+            self.ahead.pop(0)
+        if self.ahead and any(k[0] in low.stored_ids for k in keys):
+            self.convert(self.ahead[:1])  # the next one, while this segment runs
         sharded = any(plan.op_factors[o] >= 0 for o in seg) and len(low.group_rep) > 1
         fns = [low._eval.branch(seg, keys, exports, d)
                for d in (low.group_rep if sharded else low.group_rep[:1])]

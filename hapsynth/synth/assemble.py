@@ -61,6 +61,7 @@ def assemble(problem, choice: Choice, base: dict[str, Choice], solver: dict) -> 
         predicted_step_time=ev.step,
         breakdown={"compute": ev.compute, "inline_comm": ev.inline_comm,
                    "deferred_comm": ev.deferred_comm, "exposed_comm": ev.exposed_comm,
+                   "prefetched_comm": ev.prefetched_comm, "prefetch_wait": ev.prefetch_wait,
                    "compute_per_class": dict(zip(names, busy)),
                    "idle_per_class": {k: ev.step - b for k, b in zip(names, busy)}},
         baselines={**{k: b.time for k, b in base.items()},

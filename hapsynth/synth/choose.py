@@ -16,13 +16,14 @@ from hapsynth.synth.pipechoice import spmd_kept, with_pipeline
 from hapsynth.synth.plan import Plan
 from hapsynth.synth.subsets import on_fewer_devices
 from hapsynth.synth.synthesize import (InfeasibleMemory, NoDataParallelism, Options,
-                                       data_parallel_plan, synthesize)
+                                       data_parallel_plan, fsdp_plan, synthesize)
 
-STRATEGIES = ("auto", "data-parallel")
+STRATEGIES = ("auto", "data-parallel", "fsdp")
 
 
 def check_strategy(strategy) -> None:
-    """`strategy` is "auto" (synthesised) or "data-parallel"."""
+    """`strategy` is "auto" (synthesised), "data-parallel" or "fsdp" (ZeRO-3: the FSDP
+    baseline as the plan)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
 
@@ -78,6 +79,9 @@ def make_plan(graph, cluster, *, num_state_leaves: int, data_inputs, strategy: s
                                   data_inputs=data_inputs, shares=shares)
     if shares is not None:
         raise ValueError("shares= applies to strategy='data-parallel' only")
+    if strategy == "fsdp":
+        return fsdp_plan(graph, cluster, num_state_leaves=num_state_leaves,
+                         data_inputs=data_inputs)
     return spmd_plan(graph, cluster, num_state_leaves=num_state_leaves,
                      data_inputs=data_inputs, **options)
 

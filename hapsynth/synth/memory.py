@@ -217,7 +217,9 @@ class _Gathers:
     which op to which (so an assignment's live buffers are a few array operations). A
     buffer lives from the first op that reads it to the last, among the consumers that
     need it under the assignment: a parameter gathered for the forward pass and gathered
-    again for the backward is two buffers, not one held in between."""
+    again for the backward is two buffers, not one held in between. Stored state's
+    buffers are made one gather ahead (`timing.py`): from the previous such buffer's
+    first reader on."""
 
     def __init__(self, tables: Tables, n_ops: int):
         rows = [(e, gathered_bytes(tables, e)) for e in tables.edges]
@@ -230,6 +232,7 @@ class _Gathers:
             self.bytes[k, :len(b)] = b
         self.position = np.array([e.position for e, _ in rows], int)
         self.deferred = np.array([e.deferred for e, _ in rows], bool)
+        self.prefetch = np.array([e.prefetch for e, _ in rows], bool)
         self.end = np.array([min(e.last, n_ops - 1) + 1 for e, _ in rows], int)
         self.always = np.array([-1 in e.consumers for e, _ in rows], bool)
         pairs = [(k, n, s_, *e.spans.get(n, (e.position, e.last)))
@@ -253,6 +256,10 @@ class _Gathers:
         birth = np.where(self.deferred | self.always, np.minimum(birth, self.position), birth)
         needed = self.always | (np.bincount(self.edge[hit], minlength=m) > 0)
         z = np.where(needed, self.bytes[np.arange(m), a[self.src]], 0.0)
+        ahead = np.flatnonzero(self.prefetch & (z > 0))
+        if len(ahead):  # gathered one ahead: from the previous one's first reader on
+            ahead = ahead[np.argsort(birth[ahead], kind="stable")]
+            birth[ahead] = np.concatenate([[0], birth[ahead[:-1]]])
         return z, birth, death
 
     def sizes(self, assign) -> np.ndarray:

@@ -57,7 +57,8 @@ class Plan:
     classes: tuple[str, ...]          # class names, device order
     ratios: dict                      # {class name: share of every sharded dim (sums to 1)}
     predicted_step_time: float        # seconds
-    breakdown: dict                   # compute, inline_comm, deferred_comm, exposed_comm, per class
+    breakdown: dict                   # compute, inline_comm, deferred_comm, exposed_comm,
+    #                                   prefetched_comm, prefetch_wait, per class
     baselines: dict                   # {"DP-EV": s, "DP-CP": s, "FSDP": s (inf: does not fit), "ideal": s}
     baseline_memory: dict             # {"DP-EV": bytes, "DP-CP": bytes} per device
     memory: dict                      # {class: `class_memory(...)`}: bytes per device
@@ -224,7 +225,9 @@ class Plan:
         lines = [f"plan on {self.cluster} ({self.chosen}): predicted step {self.predicted_step_time:.4g} s",
                  "  shares:      " + ", ".join(f"{k} {v:.3f}" for k, v in self.ratios.items()),
                  f"  breakdown:   compute {b['compute']:.4g} s, inline comm {b['inline_comm']:.4g} s, "
-                 f"gradient sync {b['deferred_comm']:.4g} s of which exposed {b['exposed_comm']:.4g} s",
+                 f"gradient sync {b['deferred_comm']:.4g} s of which exposed {b['exposed_comm']:.4g} s"
+                 + (f", state gathered ahead {b['prefetched_comm']:.4g} s of which exposed "
+                    f"{b['prefetch_wait']:.4g} s" if b.get("prefetched_comm") else ""),
                  "  per class:   " + ", ".join(
                      f"{k} busy {v:.4g} s idle {b['idle_per_class'][k]:.4g} s"
                      for k, v in b["compute_per_class"].items())]

@@ -55,11 +55,17 @@ def shard_units(units: int, cluster: Cluster, class_shares) -> tuple[int, ...]:
 
 
 class Pricer:
-    """Prices ops and conversions on one cluster at fixed class shares (memoised)."""
+    """Prices ops and conversions on one cluster at fixed class shares (memoised).
 
-    def __init__(self, cluster: Cluster, class_shares):
+    `follow`: the factor sizes split by the shares (the batch's); every other size is
+    split evenly, so sharded state holds no padding whatever the compute shares (Cephalo's
+    decoupling of state from compute). None: every size follows the shares."""
+
+    def __init__(self, cluster: Cluster, class_shares, follow: frozenset | None = None):
         self.cluster = cluster
         self.shares = tuple(float(s) for s in class_shares)
+        self.follow = follow
+        self._even = tuple(c.count / cluster.num_devices for c in cluster.classes)
         self._units: dict[int, tuple[int, ...]] = {}
         self._conv: dict = {}
         self._op: dict = {}
@@ -68,7 +74,8 @@ class Pricer:
     def units(self, size: int) -> tuple[int, ...]:
         """Per-device units of a factor of `size` units."""
         if size not in self._units:
-            self._units[size] = shard_units(size, self.cluster, self.shares)
+            shares = self.shares if self.follow is None or size in self.follow else self._even
+            self._units[size] = shard_units(size, self.cluster, shares)
         return self._units[size]
 
     def priced_units(self) -> dict[int, tuple[int, ...]]:
@@ -126,6 +133,7 @@ class Edge:
     #                                  priced by bandwidth, the group's latency apart
     last: int = -1                  # the last op reading the converted value (its lifetime's end)
     spans: Mapping[int, tuple] = field(default_factory=dict)  # consumer node -> (first, last) op reading it
+    prefetch: bool = False          # stored state (a step input): may be gathered ahead
 
     def seconds(self, layout: Layout) -> float:
         return self.conversions.get(layout, (None, None, 0.0))[2]
@@ -169,13 +177,15 @@ class Tables:
         return EvalArrays(self)
 
 
-def price(st: Structure, cluster: Cluster, class_shares, only: list[int] | None = None) -> Tables:
-    """Price every strategy and conversion of `st` at the given per-class shares.
+def price(st: Structure, cluster: Cluster, class_shares, only: list[int] | None = None,
+          follow: frozenset | None = None) -> Tables:
+    """Price every strategy and conversion of `st` at the given per-class shares (the
+    factor sizes in `follow` only, others evenly; None: all, see `Pricer`).
 
     `only` (a strategy per node) prices just that assignment: enough to evaluate it.
     """
     graph: Graph = st.graph
-    pr = Pricer(cluster, class_shares)
+    pr = Pricer(cluster, class_shares, follow)
     main, tail, main_at = [], [], []
     for n, strats in enumerate(st.strategies):
         rows = ([], [], [])
@@ -196,6 +206,7 @@ def price(st: Structure, cluster: Cluster, class_shares, only: list[int] | None 
         tail.append(tuple(rows[1]))
         main_at.append(tuple(rows[2]))
     edges = []
+    stored = set(st.pairs.values())
     for need in st.needs:
         t = need.tensor
         src = st.producer_node[t]
@@ -216,7 +227,7 @@ def price(st: Structure, cluster: Cluster, class_shares, only: list[int] | None 
         edges.append(Edge(src, t, need.layout, layouts, need.consumers,
                           MappingProxyType(convs), deferred, pos, need.repeat,
                           last=max(need.ops, default=len(graph.ops)),
-                          spans=_spans(graph, need.ops)))
+                          spans=_spans(graph, need.ops), prefetch=not deferred and t in stored and max(need.ops, default=-1) <= graph.tensors[t].producer))
     edges, combined = _combine(edges, graph, pr)
     group_latency = collectives.all_reduce_latency(cluster)
     return Tables(st, pr, tuple(main), tuple(tail), tuple(main_at), tuple(edges), group_latency,

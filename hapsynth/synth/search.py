@@ -22,9 +22,10 @@ class Priced:
 
     @classmethod
     def at(cls, st: Structure, cluster: Cluster, shares, capacity: float,
-           only=None) -> "Priced":
-        """Priced at `shares`; `only` (an assignment) prices just what it uses."""
-        return cls(price(st, cluster, shares, only), capacity)
+           only=None, follow: frozenset | None = None) -> "Priced":
+        """Priced at `shares` (for the factor sizes in `follow`; see `pricing.Pricer`);
+        `only` (an assignment) prices just what it uses."""
+        return cls(price(st, cluster, shares, only, follow), capacity)
 
     @cached_property
     def memory(self) -> MemoryModel:
@@ -33,6 +34,11 @@ class Priced:
     @property
     def shares(self) -> tuple[float, ...]:
         return self.tables.shares
+
+    @property
+    def even_state(self) -> bool:
+        """Are sizes other than the batch's split evenly (state unpadded)?"""
+        return self.tables.pricer.follow is not None
 
     def time(self, assign) -> float:
         return evaluate(self.tables, assign).step

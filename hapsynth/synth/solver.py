@@ -1,13 +1,14 @@
 """CP-SAT model: one strategy per node, minimising the priced step time.
 
-Mirrors `timing.evaluate` exactly (times in integer nanoseconds):
+Mirrors `timing.evaluate` (times in integer nanoseconds), except that a prefetched
+conversion of stored state is paid inline here (an upper bound):
 - x[n, s] one-hot per node; `main`/`tail` compute are linear in x;
 - each conversion edge is paid if its producer's layout needs converting and some
   consumer strategy needs it (w >= [layout] + [needed] - 1);
 - deferred conversions form one FIFO communication stream that overlaps the main
-  part: F >= prefix_main(p_k) + sum of deferred costs issued at or after p_k;
+  compute: F >= prefix_compute(p_k) + sum of deferred costs issued at or after p_k;
 - a group of combined inline all-reduces pays one latency: y_g >= each member's w;
-- step T >= main + inline + tail and T >= F + tail.
+- step T >= main + inline + tail and T >= F + inline + tail.
 """
 from __future__ import annotations
 
@@ -146,16 +147,9 @@ def solve(tables: Tables, hint: list[int], *, time_limit: float = 10.0, workers:
                 deferred_at.setdefault(seg_of(e.position), []).extend(terms)
             else:
                 inline_terms += terms
-                k = seg_of(e.position)
-                if k is not None:
-                    seg_terms[k] += terms
     lat = _ns(tables.group_latency)
     for g, paid in group_paid.items():  # a combined group pays one latency if any member does
-        terms = [(lat, M.any_of(f"group{g}", paid))]
-        inline_terms += terms
-        k = seg_of(tables.edges[tables.combined[g][0]].position)
-        if k is not None:
-            seg_terms[k] += terms
+        inline_terms.append((lat, M.any_of(f"group{g}", paid)))
 
     horizon = _ns(sum(max(r) for r in tables.main) + sum(max(r) for r in tables.tail)
                   + sum(max(c[2] for c in e.conversions.values()) for e in tables.edges)
@@ -183,9 +177,10 @@ def solve(tables: Tables, hint: list[int], *, time_limit: float = 10.0, workers:
             prev = [(1, pk)]
             m.add(F >= pk + suffix[k])
             f_hint = max(f_hint, M.hint[pk] + M.hint[suffix[k]])
-        m.add(T >= F + tail)
+        inline = M.define("inline", inline_terms, horizon)
+        m.add(T >= F + inline + tail)
         m.add_hint(F, f_hint)
-        t_hint = max(t_hint, f_hint + M.hint[tail])
+        t_hint = max(t_hint, f_hint + M.hint[inline] + M.hint[tail])
     if memory is not None:
         cap, rows = memory
         kib = [(int(round(b / 1024)), x[n][s]) for n, per in rows for s, b in enumerate(per) if b]

@@ -12,7 +12,7 @@ A data-parallel baseline that fits is kept unless the plan is `min_gain` faster.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hapsynth import progress
 from hapsynth.cluster import Cluster
@@ -58,6 +58,7 @@ class Problem:
     state_groups: tuple      # per dim of the big state tensors: the classes sharding it
     ties: list | None        # node -> representative node (repeated layers decide once)
     capacity: float          # bytes: the smallest class's memory
+    batch_units: frozenset = frozenset()  # factor sizes the batch classes split in
 
     @classmethod
     def build(cls, graph: Graph, cluster: Cluster, num_state_leaves: int, data_inputs,
@@ -74,10 +75,14 @@ class Problem:
                              keep=keep, roles={c: "the batch" for c in batch})
         ties = layer_ties(graph, st.strategies) if options.share_layers and not batch_only else None
         return cls(graph, cluster, st, batch, groups, ties,
-                   min(c.memory for c in cluster.classes))
+                   min(c.memory for c in cluster.classes), frozenset(uf.units(c) for c in batch))
 
-    def priced(self, shares, only=None) -> Priced:
-        return Priced.at(self.structure, self.cluster, shares, self.capacity, only)
+    def priced(self, shares, only=None, even_state: bool = True) -> Priced:
+        """Priced at `shares` for the batch; with `even_state` every other factor (the
+        state's dims, a tensor-parallel split) evenly: padded storage then holds no
+        padding, whatever the batch shares (False: everything at `shares`)."""
+        return Priced.at(self.structure, self.cluster, shares, self.capacity, only,
+                         self.batch_units if even_state else None)
 
     def choice(self, name: str, pr: Priced, assign) -> Choice:
         return Choice(name, pr, tuple(assign), pr.time(assign))
@@ -187,13 +192,15 @@ def improve(problem: Problem, best: Choice, options: Options, clock: Clock):
         improved = False
         progress.phase("share grid")
         for cand in share_candidates(problem.cluster):
-            trial = problem.priced(cand, only=best.assign)
-            t = trial.time(best.assign)
-            if t < best.time * (1 - 1e-3) and trial.fits(best.assign):
-                best, improved = problem.choice("synthesized", trial, best.assign), True
+            for even in (True, False):
+                trial = problem.priced(cand, only=best.assign, even_state=even)
+                t = trial.time(best.assign)
+                if t < best.time * (1 - 1e-3) and trial.fits(best.assign):
+                    best, improved = problem.choice("synthesized", trial, best.assign), True
         if not improved:
             break
-        best = problem.choice("synthesized", problem.priced(best.priced.shares), best.assign)
+        best = problem.choice("synthesized", problem.priced(
+            best.priced.shares, even_state=best.priced.even_state), best.assign)
     clock.lap("rounds")
     return best, stats, rounds, solve_wall
 
@@ -217,13 +224,7 @@ def synthesize(graph: Graph, cluster: Cluster, *, num_state_leaves: int, data_in
         dp = min(fitting, key=lambda b: b.time)
         if best.time > dp.time * (1 - options.min_gain):
             best = dp
-    need = best.priced.memory.total(best.assign)
-    for c in sorted(cluster.classes, key=lambda c: c.memory):  # (the one short by most)
-        if need > c.memory:
-            raise InfeasibleMemory(
-                f"no plan found fits device class {c.name!r}: it needs {need / 2**30:.2f} GiB per "
-                f"device ({need:.0f} bytes) but has {c.memory / 2**30:.2f} GiB ({c.memory} bytes), "
-                f"short by {(need - c.memory) / 2**30:.2f} GiB")
+    unfit(best, cluster)
     solver = {"status": stats.status if stats else "NONE",
               "gap": _number(stats and stats.gap), "objective": _number(stats and stats.objective),
               "bound": _number(stats and stats.bound), "solve_seconds": solve_wall,
@@ -254,6 +255,39 @@ def data_parallel_plan(graph: Graph, cluster: Cluster, *, num_state_leaves: int,
               "solve_seconds": 0.0, "wall": clock.wall, "rounds": 0, "phases": clock.phases,
               "variables": 0, "decisions": len(graph.nodes)}
     return assemble(problem, chosen, base, solver)
+
+
+def fsdp_plan(graph: Graph, cluster: Cluster, *, num_state_leaves: int, data_inputs) -> Plan:
+    """The FSDP baseline (ZeRO-3 at even shares, `fsdp.py`) as the plan: what a user
+    forcing sharded state gets, to compare or to rely on."""
+    clock = Clock()
+    problem = Problem.build(graph, cluster, num_state_leaves, data_inputs)
+    clock.lap("structure")
+    base = baselines(problem, data_parallel_choices(problem))
+    if "DP-EV" not in base:
+        raise no_data_parallelism(problem, data_inputs)
+    fsdp = fsdp_choice(problem, base["DP-EV"])
+    clock.lap("baselines")
+    if fsdp is None:
+        raise ValueError("strategy='fsdp': no state leaf of this step can be sharded (no "
+                         "state argument is updated from a sharded gradient)")
+    chosen = replace(fsdp, name="FSDP", time=fsdp.priced.time(fsdp.assign))
+    unfit(chosen, cluster, "strategy='fsdp' (ZeRO-3) does not fit")
+    solver = {"status": "NONE", "gap": None, "objective": None, "bound": None,
+              "solve_seconds": 0.0, "wall": clock.wall, "rounds": 0, "phases": clock.phases,
+              "variables": 0, "decisions": len(graph.nodes)}
+    return assemble(problem, chosen, {**base, "FSDP": fsdp}, solver)
+
+
+def unfit(choice: Choice, cluster: Cluster, what: str = "no plan found fits") -> None:
+    """Raise `InfeasibleMemory` naming the device class `choice` overflows by most."""
+    need = choice.priced.memory.total(choice.assign)
+    for c in sorted(cluster.classes, key=lambda c: c.memory):  # (the one short by most)
+        if need > c.memory:
+            raise InfeasibleMemory(
+                f"{what} device class {c.name!r}: it needs {need / 2**30:.2f} GiB per "
+                f"device ({need:.0f} bytes) but has {c.memory / 2**30:.2f} GiB ({c.memory} bytes), "
+                f"short by {(need - c.memory) / 2**30:.2f} GiB")
 
 
 def _number(x):

@@ -4,8 +4,10 @@ Under the time model of `timing.py` every class runs the same ops in program ord
 each op lasting as long as its slowest class takes, so a faster class is idle for the
 rest. Consecutive ops are merged into one segment until a collective interrupts: per
 class, a `compute` span (its busy time) then an `idle` span (waiting for the slowest).
-Inline collectives occupy every class (a group XLA combines pays one latency first); the gradient sync runs on its own `sync` lane,
-overlapping the main part; `wait` is the sync not hidden; then the tail (optimizer).
+Inline collectives occupy every class (a group XLA combines pays one latency first); the
+gradient sync and the gathers of stored state ahead of their readers (`prefetch`) run on
+their own `sync` lane, overlapping the main part; `wait` is what of them is not hidden;
+then the tail (optimizer).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import bisect
 from dataclasses import dataclass
 
 from hapsynth.synth.pricing import paid_groups
+from hapsynth.synth.timing import evaluate
 
 SYNC = "sync"  # the lane of deferred (overlapped) collectives
 
@@ -24,7 +27,7 @@ class Span:
     lane: str
     start: float
     end: float
-    kind: str    # compute, idle, collective, wait, sync
+    kind: str    # compute, idle, collective, wait, sync, prefetch
     label: str = ""
 
     @property
@@ -43,35 +46,43 @@ def timeline(tables, assign, names) -> tuple[Span, ...]:
             times = pricer.class_times(graph.ops[op_id], ch)
             if max(times):
                 per_op[op_id] = times
+    rec: dict = {}
+    step = evaluate(tables, assign, rec)
+    edges = tables.edges
+    ahead = set(rec.get("prefetched", ()))
     inline: dict[int, list] = {}
-    deferred = []
-    for e in tables.edges:
-        sec = e.seconds(e.layouts[assign[e.src]])
-        if not sec or not e.needed(assign):
-            continue
-        (deferred if e.deferred else inline.setdefault(e.position, [])).append(e)
+    for k, e in enumerate(edges):
+        if (not e.deferred and k not in ahead and e.seconds(e.layouts[assign[e.src]])
+                and e.needed(assign)):
+            inline.setdefault(e.position, []).append(e)
     for p, g, _ in paid_groups(tables, assign):  # first, the one latency of a combined group
         inline.setdefault(p, []).insert(0, g)
+    waits: dict[int, float] = {}
+    for k, (_, _, w) in zip(rec.get("prefetched", ()), rec.get("prefetched_spans", ())):
+        waits[edges[k].position] = waits.get(edges[k].position, 0.0) + w
     out: list[Span] = []
     lanes = _Lanes(names, out, tables.group_latency)
-    ends: dict[int, float] = {}
     for p in range(st.tail_start):
+        if waits.get(p):
+            lanes.flush()
+            lanes.wait(waits.pop(p), "gather not hidden")
         for e in inline.pop(p, ()):
             lanes.collective(e, assign)
         if p in per_op:
             lanes.compute(per_op[p])
-        ends[p] = lanes.now + lanes.pending
     lanes.flush()
     for p in sorted(inline):  # read only by outputs or the tail: paid at the main part's end
         for e in inline[p]:
             lanes.collective(e, assign)
-        ends[p] = lanes.now
     main_end = lanes.now
-    free = _sync(out, deferred, assign, _ready(ends), main_end, tables.group_latency)
-    if free > main_end:
-        for name in names:
-            out.append(Span(name, main_end, free, "wait", "gradient sync not hidden"))
-        lanes.now = free
+    real = lanes.real_time
+    for kind, key in (("sync", "deferred"), ("prefetch", "prefetched")):
+        for k, (start, end, *_) in zip(rec.get(key, ()), rec.get(key + "_spans", ())):
+            label = ("all-reduce latency (once per group)" if k < 0 else
+                     _label(edges[k], assign))
+            out.append(Span(SYNC, real(start), real(start) + end - start, kind, label))
+    if step.exposed_comm > 0:
+        lanes.wait(step.exposed_comm, "gradient sync not hidden")
     for op_id in sorted(per_op):
         if op_id >= st.tail_start:
             lanes.compute(per_op[op_id])
@@ -88,6 +99,8 @@ class _Lanes:
         self.now = 0.0
         self.pending = 0.0                 # the open segment's length so far
         self.busy = [0.0] * len(self.names)
+        self.paused: list[float] = []      # the link's clock at each inline collective
+        self.pauses: list[float] = []      # inline time up to and including each
 
     def compute(self, times) -> None:
         self.pending += max(times)
@@ -105,46 +118,32 @@ class _Lanes:
         self.now, self.pending = end, 0.0
         self.busy = [0.0] * len(self.names)
 
+    def wait(self, seconds: float, label: str) -> None:
+        for name in self.names:
+            self.out.append(Span(name, self.now, self.now + seconds, "wait", label))
+        self.now += seconds
+
     def collective(self, e, assign) -> None:
         """Edge `e`'s conversion, or (an int) the latency of combined group `e`."""
         self.flush()
         if isinstance(e, int):
             sec, label = self.group_latency, f"all-reduce latency (combined group {e})"
         else:
-            coll, form, sec = e.conversions[e.layouts[assign[e.src]]]
-            label = f"{coll} {form or ''} t{e.tensor}".replace("  ", " ")
+            sec, label = e.conversions[e.layouts[assign[e.src]]][2], _label(e, assign)
         for name in self.names:
             self.out.append(Span(name, self.now, self.now + sec, "collective", label))
+        done = self.pauses[-1] if self.pauses else 0.0
+        self.paused.append(self.now - done)
+        self.pauses.append(done + sec)
         self.now += sec
 
-
-def _ready(ends):
-    """When the work up to op position `pos` is done (as `timing.evaluate` sums it: main
-    compute and the inline collectives at positions up to `pos`)."""
-    known = sorted(ends)
-
-    def at(pos):
-        if pos in ends:
-            return ends[pos]
-        k = bisect.bisect_right(known, pos)
-        return ends[known[k - 1]] if k else 0.0
-    return at
+    def real_time(self, t: float) -> float:
+        """The lanes' time of `t` on the link's clock (which stops for inline collectives:
+        the stream overlaps compute only, `timing.evaluate`)."""
+        k = bisect.bisect_right(self.paused, t)
+        return t + (self.pauses[k - 1] if k else 0.0)
 
 
-def _sync(out, deferred, assign, ready_at, main_end, latency) -> float:
-    """The sync lane as `timing.evaluate` queues it (one stream, issue order, one group
-    latency first); returns when it is free."""
-    events = sorted(((ready_at(e.position) if e.position >= 0 else 0.0,
-                      e.seconds(e.layouts[assign[e.src]]), e) for e in deferred),
-                    key=lambda x: (x[0], x[1]))
-    if not events:
-        return 0.0
-    free = latency
-    out.append(Span(SYNC, 0.0, latency, "sync", "all-reduce latency (once per group)"))
-    for ready, sec, e in events:
-        start = max(free, ready)
-        coll, form, _ = e.conversions[e.layouts[assign[e.src]]]
-        out.append(Span(SYNC, start, start + sec, "sync", f"{coll} {form or ''} t{e.tensor}"
-                        .replace("  ", " ")))
-        free = start + sec
-    return free
+def _label(e, assign) -> str:
+    coll, form, _ = e.conversions[e.layouts[assign[e.src]]]
+    return f"{coll} {form or ''} t{e.tensor}".replace("  ", " ")

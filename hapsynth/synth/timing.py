@@ -7,7 +7,9 @@ Time model (one compute stream, one communication stream per device):
 - conversions feeding the *tail* (the optimizer, after the last contraction) are issued
   when their producer finishes and overlap the remaining main compute, one at a time in
   issue order (XLA's latency-hiding scheduler can do no better with one collective
-  stream); the group pays one all-reduce latency;
+  stream); the group pays one all-reduce latency. They overlap compute only: an inline
+  collective has the link to itself, so the stream's clock (`stream`'s `before`) is the
+  main compute's alone, and the inline collectives' time is added to its end;
 - step = max(main end, last deferred conversion end) + tail compute.
 The CP-SAT model (`solver.py`) encodes the same formula.
 """
@@ -27,6 +29,8 @@ class StepTime:
     inline_comm: float    # conversions paid before their consumers
     deferred_comm: float  # gradient-style conversions overlapping the backward pass
     exposed_comm: float   # the part of the deferred ones not hidden by compute
+    prefetched_comm: float = 0.0  # stored state gathered ahead of its readers
+    prefetch_wait: float = 0.0    # the part of those not hidden by compute
 
 
 class EvalArrays:
@@ -52,6 +56,7 @@ class EvalArrays:
         for k, e in enumerate(edges):
             self.cost[k, :len(e.layouts)] = [e.seconds(lay) for lay in e.layouts]
         self.deferred = np.array([e.deferred for e in edges], bool)
+        self.prefetch = np.array([e.prefetch for e in edges], bool)
         self.position = np.array([e.position for e in edges], int)
         self.always = np.array([k for k, e in enumerate(edges) if -1 in e.consumers], int)
         trig = [[[] for _ in st] for st in strategies]
@@ -77,12 +82,13 @@ class EvalArrays:
                                                           for lay in edges[k].layouts]
 
 
-def evaluate(tables, assign) -> StepTime:
+def evaluate(tables, assign, record: dict | None = None) -> StepTime:
     """Step time of an assignment (strategy index per node), with its breakdown.
 
-    Main compute and inline conversions run in program order; deferred conversions
-    queue on one stream from their producer's end (f = max(f, ready) + c, in issue
-    order); step = max(main end, stream end) + tail.
+    Main compute and inline conversions run in program order; deferred and prefetched
+    conversions queue on one stream (`stream`), overlapping compute; step = max(main
+    compute + waits for prefetched state, stream end) + inline conversions + tail. `record`, when given, receives the stream's
+    events (`stream`) for drawing.
     """
     ar = tables.arrays
     a = np.asarray(assign, int)
@@ -94,31 +100,87 @@ def evaluate(tables, assign) -> StepTime:
     if trig:
         needed[np.concatenate(trig)] = True
     c = ar.cost[np.arange(len(ar.src)), a[ar.src]] * needed if len(ar.src) else np.zeros(0)
-    inline_mask = ~ar.deferred & (c > 0)
+    ev = ar.deferred & (c > 0)
+    pf = ar.prefetch & (c > 0)
+    inline_mask = ~ar.deferred & (c > 0) & ~pf
     inline = float(c[inline_mask].sum())
     groups = np.zeros(0, int)
     if len(ar.group_pos):
         pays = needed & ar.pooled[np.arange(len(ar.src)), a[ar.src]] & (ar.group_of >= 0)
         groups = np.unique(ar.group_of[pays])
         inline += ar.group_latency * len(groups)
-    main_end = main + inline
-    ev = ar.deferred & (c > 0)
-    comm_free, deferred_total = 0.0, 0.0
-    if ev.any():
+    wait, comm_free = 0.0, 0.0
+    if ev.any() or pf.any():
         by_pos = np.zeros(ar.n_pos)
         pos = [ar.at[n][s][0] for n, s in enumerate(assign)]
         val = [ar.at[n][s][1] for n, s in enumerate(assign)]
         np.add.at(by_pos, np.concatenate(pos), np.concatenate(val))
-        np.add.at(by_pos, ar.position[inline_mask], c[inline_mask])
-        np.add.at(by_pos, ar.group_pos[groups], ar.group_latency)
-        cum = np.cumsum(by_pos)
-        ev_pos = np.concatenate([[-1], ar.position[ev]])
-        ev_c = np.concatenate([[ar.group_latency], c[ev]])
-        order = np.lexsort((ev_c, ev_pos))
-        ev_pos, ev_c = ev_pos[order], ev_c[order]
-        ready = np.where(ev_pos >= 0, cum[np.clip(ev_pos, 0, None)], 0.0)
-        C = np.cumsum(ev_c)
-        comm_free = float(C[-1] + max(0.0, float(np.max(ready - (C - ev_c)))))
-        deferred_total = float(C[-1])
-    step = max(main_end, comm_free) + tail
-    return StepTime(step, main + tail, inline, deferred_total, max(0.0, comm_free - main_end))
+        before = np.concatenate([[0.0], np.cumsum(by_pos)])  # compute alone: the link's clock
+        d = np.flatnonzero(ev)
+        d = d[np.lexsort((c[d], ar.position[d]))]
+        d_pos = np.concatenate([[-1], ar.position[d]]) if len(d) else np.zeros(0, int)
+        d_c = np.concatenate([[ar.group_latency], c[d]]) if len(d) else np.zeros(0)
+        p = np.flatnonzero(pf)
+        p = p[np.lexsort((c[p], ar.position[p]))]
+        if record is not None:
+            record.update(deferred=[-1, *d.tolist()] if len(d) else [], prefetched=p.tolist())
+        wait, comm_free = stream(before, ar.position[p].tolist(), c[p].tolist(), d_pos, d_c,
+                                 record)
+    step = max(main + wait, comm_free) + inline + tail
+    return StepTime(step, main + tail, inline, float(c[ev].sum()) + ar.group_latency * ev.any(),
+                    max(0.0, comm_free - main - wait), float(c[pf].sum()), wait)
+
+
+def stream(before, p_pos, p_c, d_pos, d_c, record: dict | None = None) -> tuple[float, float]:
+    """The communication stream, first come first served by issue: (the readers' waits in
+    all, when the stream is free).
+
+    `before[q]`: when op q starts, waits aside. Deferred conversions (`d_pos`, `d_c`,
+    in issue order; position -1: ready at once) are issued when their producer ends.
+    Prefetched ones (`p_pos`: their first reader, `p_c`, in order) are issued when the
+    previous one's reader starts (the first at once); a reader waits for the part of its
+    gather not done, and every later op with it. `record` gets per deferred conversion
+    `(start, end)` under "deferred_spans", per prefetched `(start, end, wait)` under
+    "prefetched_spans"."""
+    waited, free, i, D = 0.0, 0.0, 0, len(d_pos)
+    d_spans, p_spans = [], []
+
+    def deferred_until(q) -> None:
+        nonlocal free, i
+        while i < D and d_pos[i] < q:
+            start = max(free, (before[d_pos[i] + 1] if d_pos[i] >= 0 else 0.0) + waited)
+            free = start + d_c[i]
+            d_spans.append((start, free))
+            i += 1
+
+    def reader(k) -> float:
+        nonlocal waited
+        q = p_pos[k]
+        deferred_until(q)
+        w = max(0.0, p_spans[k][1] - (before[q] + waited))
+        waited += w
+        p_spans[k] = (*p_spans[k][:2], w)
+        return before[q] + waited
+
+    issue = 0.0
+    for k, sec in enumerate(p_c):
+        if k:
+            issue = reader(k - 1)
+        else:
+            deferred_until(0)
+        start = max(free, issue)
+        free = start + sec
+        p_spans.append((start, free, 0.0))
+    if p_c:
+        reader(len(p_c) - 1)
+    if i < D:  # the rest in one go: f_j = max(f_j-1, r_j) + c_j
+        r = np.where(d_pos[i:] >= 0, np.asarray(before)[np.clip(d_pos[i:] + 1, 0, None)], 0.0)
+        r = r + waited
+        C = np.cumsum(d_c[i:])
+        ends = C + np.maximum(free, np.maximum.accumulate(r - (C - d_c[i:])))
+        if record is not None:
+            d_spans += list(zip((ends - d_c[i:]).tolist(), ends.tolist()))
+        free = float(ends[-1])
+    if record is not None:
+        record.update(deferred_spans=d_spans, prefetched_spans=p_spans)
+    return waited, free

@@ -121,6 +121,9 @@ def _plan_breakdown(plan) -> str:
     rows = [("compute", _s(b["compute"])), ("inline comm", _s(b["inline_comm"])),
             ("gradient sync", _s(b["deferred_comm"])),
             ("of which exposed", _s(b["exposed_comm"]))]
+    if b.get("prefetched_comm"):
+        rows += [("state gathered ahead", _s(b["prefetched_comm"])),
+                 ("of which exposed", _s(b["prefetch_wait"]))]
     return _table("hapsynth-plan hapsynth-plan-breakdown", "step time breakdown",
                   ("part", "seconds"), rows)
 

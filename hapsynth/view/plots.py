@@ -6,8 +6,9 @@ from __future__ import annotations
 from hapsynth.synth.timeline import SYNC
 
 COLORS = {"compute": "#4c72b0", "idle": "#d9d9d9", "collective": "#dd8452", "wait": "#c44e52",
-          "sync": "#55a868", "tail": "#8172b3"}
-KINDS = ("compute", "idle", "collective", "wait", "sync")
+          "sync": "#55a868", "prefetch": "#64b5cd", "tail": "#8172b3"}
+KINDS = ("compute", "idle", "collective", "wait", "sync", "prefetch")
+LABELS = {"sync": "gradient sync", "prefetch": "state gathered ahead"}
 
 
 def _figure(**kw):
@@ -45,7 +46,7 @@ def plot_timeline(plan, ax=None):
         if spans:
             ax.barh([row[s.lane] for s in spans], [s.seconds * scale for s in spans],
                     left=[s.start * scale for s in spans], height=0.6, color=COLORS[kind],
-                    label=kind if kind != "sync" else "gradient sync", edgecolor="none")
+                    label=LABELS.get(kind, kind), edgecolor="none")
     ax.set_yticks(range(len(lanes)), lanes)
     ax.invert_yaxis()
     ax.set_xlabel(f"time in one step ({unit})")
