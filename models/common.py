@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-# "medium": GPT-2-medium; "1.3b", "6.7b": GPT-3 XL and 6.7B sizes (gpt only)
-CONFIG_NAMES = ("tiny", "small", "paper", "medium", "1.3b", "6.7b")
-BIG = ("paper", "medium", "1.3b", "6.7b")  # planned from abstract shapes by default
+# "medium": GPT-2-medium; "1.3b", "6.7b", "13b": GPT-3 XL, 6.7B and 13B sizes (gpt only)
+CONFIG_NAMES = ("tiny", "small", "paper", "medium", "1.3b", "6.7b", "13b")
+BIG = ("paper", "medium", "1.3b", "6.7b", "13b")  # planned from abstract shapes by default
 EMBED_INIT = nnx.initializers.normal(0.02)
 
 

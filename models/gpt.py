@@ -1,6 +1,6 @@
 """GPT-style causal decoder: pre-LN blocks with causal attention, tied input/output embeddings
 (logits = h · Eᵀ), next-token loss; global-norm clipping (1.0) + AdamW. "paper": 12×768, vocab 50257;
-"medium": GPT-2-medium, 24×1024, sequence 1024, batch 64; "1.3b" and "6.7b": GPT-3 XL and 6.7B."""
+"medium": GPT-2-medium, 24×1024, sequence 1024, batch 64; "1.3b", "6.7b", "13b": GPT-3 XL, 6.7B and 13B."""
 from __future__ import annotations
 
 import dataclasses
@@ -40,6 +40,8 @@ CONFIGS = {
                    lr=1e-4),
     "6.7b": Config(layers=32, d=4096, heads=32, ffn=16384, seq=1024, vocab=50304, batch=128,
                    lr=1e-4),
+    "13b": Config(layers=40, d=5120, heads=40, ffn=20480, seq=1024, vocab=50304, batch=128,
+                  lr=1e-4),
 }
 
 

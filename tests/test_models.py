@@ -25,7 +25,7 @@ def test_registry_names_and_errors():
         get("nope")
     with pytest.raises(ValueError, match="tiny"):
         get("mlp", "huge")
-    gpt_only = ["medium", "1.3b", "6.7b"]  # the pipeline benchmark's and the LLM sizes
+    gpt_only = ["medium", "1.3b", "6.7b", "13b"]  # the pipeline benchmark's and the LLM sizes
     for name in NAMES:
         assert set(ZOO[name].CONFIGS) == {"tiny", "small", "paper", *(gpt_only if name == "gpt" else [])}
     with pytest.raises(ValueError, match="unknown config 'medium'"):
@@ -34,7 +34,7 @@ def test_registry_names_and_errors():
     assert (cfg.layers, cfg.d, cfg.seq, cfg.batch) == (24, 1024, 1024, 64)  # whatever the devices
 
 
-@pytest.mark.parametrize("config,billions", [("1.3b", 1.3), ("6.7b", 6.7)])
+@pytest.mark.parametrize("config,billions", [("1.3b", 1.3), ("6.7b", 6.7), ("13b", 12.9)])
 def test_llm_sizes_trace_from_abstract_shapes(config, billions):
     """The LLM sizes build without allocating (abstract leaves) at their parameter counts."""
     _, (params, opt, batch) = get("gpt", config)

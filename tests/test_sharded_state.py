@@ -128,28 +128,36 @@ def test_planner_shards_state_where_replicated_state_does_not_fit(gpt, roomy):
 
 
 def _gathered_one_ahead(low, args) -> None:
-    """In the program, each all-gather of stored state comes before the first branch that
-    reads the previous one: it is issued while that one's reader runs (as priced)."""
+    """In the program, each gather of stored state (or of checkpointing's copy of it: an
+    all-gather, or the masked psum of the grouped form) comes before the first branch
+    that reads the previous one: it is issued while that one's reader runs (as priced)."""
     assert low.mode == "shard_map" and len(low.ahead) > 1
-    leaves = jax.tree.leaves(args)
-    closed = jax.make_jaxpr(low._fn)(*low._stored(leaves))
+    closed = jax.make_jaxpr(low._fn)(*low._stored(jax.tree.leaves(args)))
     body = next(e for e in _eqns(closed.jaxpr) if e.primitive.name == "shard_map")
     eqns = body.params["jaxpr"].eqns
-    inputs = set(body.params["jaxpr"].invars)
-    gathers, first_reader, deps = [], {}, {}
+    stored = {v for v, lay in zip(body.params["jaxpr"].invars, low.in_layouts)
+              if lay.kind == "S"}
+    src, made, gathers, first_reader = {}, {}, [], {}
     for i, e in enumerate(eqns):
-        mine = set().union(*(deps.get(v, set()) for v in e.invars if not hasattr(v, "val")))
-        if e.primitive.name == "all_gather" and e.invars[0] in inputs:
-            gathers.append(i)
-            mine = {i}
-        if e.primitive.name == "cond":
+        ins = [v for v in e.invars if not hasattr(v, "val")]
+        mine = set().union(*(made.get(v, set()) for v in ins))
+        name = e.primitive.name
+        if name == "cond":
             for g in mine:
                 first_reader.setdefault(g, i)
+            continue
+        if name == "optimization_barrier":  # checkpointing's copies of state
+            stored |= {y for x, y in zip(e.invars, e.outvars) if x in stored}
+        from_state = any(v in stored or src.get(v) for v in ins)
+        if name in ("all_gather", "psum") and from_state:
+            gathers.append(i)
+            mine, from_state = {i}, False
         for v in e.outvars:
-            deps[v] = mine
-    assert len(gathers) >= len(low.ahead)
+            made[v], src[v] = mine, from_state
+    assert len(gathers) > 1 and low.issued_ahead
     for prev, nxt in zip(gathers, gathers[1:]):
-        assert nxt < first_reader[prev], (prev, nxt, first_reader[prev])
+        if prev in first_reader:
+            assert nxt < first_reader[prev], (prev, nxt, first_reader[prev])
 
 
 def _eqns(jaxpr):
@@ -224,6 +232,11 @@ def test_too_big_for_cheap_recomputation_the_planner_checkpoints_by_segments(gpt
     got = _three_steps_match_jit(par, step, args, slack=8.0)
     for d, nbytes in held_bytes(got[:2]).items():
         assert nbytes <= plan.memory["fast" if d.id < 2 else "slow"]["state"]
+    low = par.lowered(*args)
+    copies = [e for e in low.prog.eqns if getattr(e.primitive, "name", "") == "optimization_barrier"
+              and set(e.inputs) & set(low.prog.inputs[:plan.state_leaves])]
+    assert copies and plan.breakdown["prefetched_comm"] > 0
+    _gathered_one_ahead(Lowered(low.prog, plan, jax.devices(), gspmd=False), args)
     again = hs.Plan.from_json(plan.to_json())
     assert again == plan
     # a saved plan redoes the rewrite on the traced step and is checked against it

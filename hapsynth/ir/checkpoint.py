@@ -8,9 +8,10 @@ smallest (a transformer's residual stream between its blocks, found from the liv
 profile, not from names). Only what crosses a cut is kept; every other activation the
 backward pass reads is recomputed from its segment's checkpoints, the whole segment at
 once, just before the first backward op that reads one of them. Parameters the
-recomputation reads are copied there too, so a parameter stored sharded is gathered
-again for the backward pass instead of being held gathered from the forward
-(`remat._rewrite`'s `deep`). The price is about one more forward pass, which the planner
+segment reads are copied one segment earlier (at the previous segment's point in the
+backward pass), so a parameter stored sharded is gathered again for the backward pass
+instead of being held gathered from the forward (`remat._rewrite`'s `deep`), and that
+gather can run behind the previous segment's compute (FSDP's backward prefetch). The price is about one more forward pass, which the planner
 weighs against memory like any other choice.
 """
 from __future__ import annotations
@@ -64,10 +65,21 @@ def checkpointed(prog: Program) -> Program | None:
     plans = {t: c for t, c in plans.items() if t in where}
     if not plans:
         return None
+    # a segment's step inputs (its weights) are copied at the previous segment's point in
+    # the backward pass: gathered again there, one segment ahead (FSDP's backward prefetch)
+    point_of = {segment_of[t]: at for t, at in where.items()}
+    order = sorted(point_of, reverse=True)
+    earlier = {k: point_of[order[i - 1]] if i else point_of[k] for i, k in enumerate(order)}
     copies: dict[int, set] = {}
+    ahead: dict[int, set] = {}
     for t, at in where.items():
-        copies.setdefault(at, set()).update(inputs.get(segment_of[t], ()))
-    return _rewrite(prog, plans, plain, p, where=where, deep=True, copies=copies)
+        k = segment_of[t]
+        weights = inputs.get(k, set()) | {x for i in plans[t] for x in eqns[i].inputs
+                                          if isinstance(x, int) and x not in producer}
+        copies.setdefault(earlier[k], set()).update(weights)
+        if earlier[k] != at:
+            ahead.setdefault(at, set()).update(weights)
+    return _rewrite(prog, plans, plain, p, where=where, deep=True, copies=copies, ahead=ahead)
 
 
 def _segment_inputs(prog: Program, p: int, bounds, producer, readers) -> dict[int, set]:

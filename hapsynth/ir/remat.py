@@ -184,13 +184,15 @@ def _one_round(prog: Program, target: float | None = None) -> Program | None:
 
 def _rewrite(prog: Program, plans: dict[int, list[int]], readers, p: int,
              where: dict[int, int] | None = None, deep: bool = False,
-             copies: dict[int, set] | None = None) -> Program:
+             copies: dict[int, set] | None = None, ahead: dict[int, set] | None = None
+             ) -> Program:
     """Insert each activation's recomputation before its first reader after the peak
     (before the loop region that reader runs in; `where`: at the index given) and point
     the later readers at it. `deep` (`ir/checkpoint.py`): the step inputs a recomputation
     reads are copied there and every later reader reads the copy (a parameter sharded
     between steps is gathered again for the backward pass, not held gathered from the
-    forward; `copies`: more step inputs copied so, per insertion index)."""
+    forward; `copies`: more step inputs copied so, per insertion index; `ahead`: step
+    inputs a recomputation reads from the copy made at an earlier index instead)."""
     eqns, avals = list(prog.eqns), list(prog.avals)
     start_of = {lp.id: lp.start for lp in prog.loops}
     made = {t for e in eqns for t in e.outputs}
@@ -204,25 +206,29 @@ def _rewrite(prog: Program, plans: dict[int, list[int]], readers, p: int,
         at.setdefault(start_of[e.loop] if e.loop is not None else first, []).append(t)
     renamed: dict[int, dict[int, int]] = {}  # insertion index -> {old tensor: copy}
     inserted: dict[int, list[Eqn]] = {}
+    copied: dict[int, int] = {}  # step input -> its latest copy so far
 
     def fresh(aval) -> int:
         avals.append(aval)
         return len(avals) - 1
 
-    for here, ts in at.items():
-        ren: dict[int, int] = {}
+    for here in sorted(set(at) | set(copies or {})):
+        ts = at.get(here, [])
+        ren = {x: copied[x] for x in (ahead or {}).get(here, ()) if x in copied}
         new: list[Eqn] = []
         todo = sorted({i for t in ts for i in plans[t]})
         cloned_outs = {o for i in todo for o in eqns[i].outputs}
-        leaves = sorted({x for i in todo for x in eqns[i].inputs
-                         if isinstance(x, int) and x not in cloned_outs}
-                        | (copies or {}).get(here, set()))
+        leaves = sorted(({x for i in todo for x in eqns[i].inputs
+                          if isinstance(x, int) and x not in cloned_outs}
+                         | (copies or {}).get(here, set())) - set(ren))
         for x in leaves:  # the barrier keeps XLA from merging the copy with the original
             # (inputs too: a copy reading only inputs would be the very same op)
             y = fresh(avals[x])
             new.append(Eqn(_jax.BARRIER, {}, (x,), (y,), (avals[x],), (avals[x],),
                            source="remat"))
             ren[x] = y
+            if x not in made:
+                copied[x] = y
         for i in todo:
             e = eqns[i]
             outs = tuple(fresh(avals[o]) for o in e.outputs)

@@ -61,6 +61,7 @@ class Lowered:
         self.forms = self._forms()
         self.ahead = self._gathered_state()
         self.stored_ids = {t for t, _ in self.ahead}
+        self.issued_ahead: list = []  # (tensor, layout) converted ahead, as traced
         self.mode = "gspmd" if gspmd and branch_hook is None and _gspmd.is_even(
             plan, self.units, (*self.in_layouts, *self.out_layouts)) else "shard_map"
         if self.mode == "gspmd":
@@ -99,11 +100,17 @@ class Lowered:
         return ins, out
 
     def _gathered_state(self) -> list:
-        """The stored state converted by a collective for its readers outside loops, as
+        """The stored state (or a copy of it) converted by a collective for its readers
+        outside loops, as
         (tensor, layout), in the order segments first read them: each is gathered one
         ahead, while the previous one's reader runs (as `timing.py` prices it)."""
         stored = {t: lay for t, lay in zip(self.prog.inputs[:self.plan.state_leaves],
                                            self.in_layouts) if lay.kind == "S"}
+        for e in self.prog.eqns:  # checkpointing's copies of it (`ir/checkpoint.py`)
+            if getattr(e.primitive, "name", e.primitive) == "optimization_barrier":
+                for x, y in zip(e.inputs, e.outputs):
+                    if x in stored and self.plan.tensor_layouts[y].kind == "S":
+                        stored[y] = self.plan.tensor_layouts[y]
         keys = [key for item in self.items if not isinstance(item, schedule.LoopSchedule)
                 for key in schedule.operands(self.prog.eqns, self.plan.op_inputs, item)
                 if key[0] in stored and key[1] != stored[key[0]]]
@@ -269,8 +276,10 @@ class _Run:
         self.convert(keys)
         while self.ahead and self.ahead[0] in self.converted:
             self.ahead.pop(0)
-        if self.ahead and any(k[0] in low.stored_ids for k in keys):
+        if self.ahead and self.ahead[0][0] in self.env and any(
+                k[0] in low.stored_ids for k in keys):
             self.convert(self.ahead[:1])  # the next one, while this segment runs
+            low.issued_ahead.append(self.ahead[0])
         sharded = any(plan.op_factors[o] >= 0 for o in seg) and len(low.group_rep) > 1
         fns = [low._eval.branch(seg, keys, exports, d)
                for d in (low.group_rep if sharded else low.group_rep[:1])]

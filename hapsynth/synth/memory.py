@@ -233,6 +233,7 @@ class _Gathers:
         self.position = np.array([e.position for e, _ in rows], int)
         self.deferred = np.array([e.deferred for e, _ in rows], bool)
         self.prefetch = np.array([e.prefetch for e, _ in rows], bool)
+        self.avail = np.array([e.avail for e, _ in rows], int)
         self.end = np.array([min(e.last, n_ops - 1) + 1 for e, _ in rows], int)
         self.always = np.array([-1 in e.consumers for e, _ in rows], bool)
         pairs = [(k, n, s_, *e.spans.get(n, (e.position, e.last)))
@@ -259,7 +260,8 @@ class _Gathers:
         ahead = np.flatnonzero(self.prefetch & (z > 0))
         if len(ahead):  # gathered one ahead: from the previous one's first reader on
             ahead = ahead[np.argsort(birth[ahead], kind="stable")]
-            birth[ahead] = np.concatenate([[0], birth[ahead[:-1]]])
+            birth[ahead] = np.maximum(np.concatenate([[0], birth[ahead[:-1]]]),
+                                      self.avail[ahead] + 1)
         return z, birth, death
 
     def sizes(self, assign) -> np.ndarray:

@@ -133,7 +133,10 @@ class Edge:
     #                                  priced by bandwidth, the group's latency apart
     last: int = -1                  # the last op reading the converted value (its lifetime's end)
     spans: Mapping[int, tuple] = field(default_factory=dict)  # consumer node -> (first, last) op reading it
-    prefetch: bool = False          # stored state (a step input): may be gathered ahead
+    prefetch: bool = False          # stored state (a step input) or a copy of it: may be
+    #                                 gathered ahead, once `avail` (its copy op; -1: a step
+    #                                 input) is done
+    avail: int = -1
 
     def seconds(self, layout: Layout) -> float:
         return self.conversions.get(layout, (None, None, 0.0))[2]
@@ -207,6 +210,7 @@ def price(st: Structure, cluster: Cluster, class_shares, only: list[int] | None 
         main_at.append(tuple(rows[2]))
     edges = []
     stored = set(st.pairs.values())
+    copies = stored_copies(graph, st.pairs)
     for need in st.needs:
         t = need.tensor
         src = st.producer_node[t]
@@ -227,11 +231,24 @@ def price(st: Structure, cluster: Cluster, class_shares, only: list[int] | None 
         edges.append(Edge(src, t, need.layout, layouts, need.consumers,
                           MappingProxyType(convs), deferred, pos, need.repeat,
                           last=max(need.ops, default=len(graph.ops)),
-                          spans=_spans(graph, need.ops), prefetch=not deferred and t in stored and max(need.ops, default=-1) <= graph.tensors[t].producer))
+                          spans=_spans(graph, need.ops),
+                          prefetch=not deferred and (t in copies or t in stored and max(
+                              need.ops, default=-1) <= graph.tensors[t].producer),
+                          avail=graph.tensors[t].producer if t in copies else -1))
     edges, combined = _combine(edges, graph, pr)
     group_latency = collectives.all_reduce_latency(cluster)
     return Tables(st, pr, tuple(main), tuple(tail), tuple(main_at), tuple(edges), group_latency,
                   combined)
+
+
+def stored_copies(graph: Graph, pairs) -> set[int]:
+    """Tensors that are an `optimization_barrier`'s copy of a state input (checkpointing
+    copies a segment's weights so they are gathered again for its backward pass)."""
+    out = set()
+    for op in graph.ops:
+        if op.primitive == "optimization_barrier":
+            out.update(y for x, y in zip(op.inputs, op.outputs) if x in pairs and y is not None)
+    return out
 
 
 def _spans(graph: Graph, ops) -> MappingProxyType:

@@ -57,6 +57,7 @@ class EvalArrays:
             self.cost[k, :len(e.layouts)] = [e.seconds(lay) for lay in e.layouts]
         self.deferred = np.array([e.deferred for e in edges], bool)
         self.prefetch = np.array([e.prefetch for e in edges], bool)
+        self.avail = np.array([e.avail for e in edges], int)
         self.position = np.array([e.position for e in edges], int)
         self.always = np.array([k for k, e in enumerate(edges) if -1 in e.consumers], int)
         trig = [[[] for _ in st] for st in strategies]
@@ -125,20 +126,22 @@ def evaluate(tables, assign, record: dict | None = None) -> StepTime:
         if record is not None:
             record.update(deferred=[-1, *d.tolist()] if len(d) else [], prefetched=p.tolist())
         wait, comm_free = stream(before, ar.position[p].tolist(), c[p].tolist(), d_pos, d_c,
-                                 record)
+                                 record, ar.avail[p].tolist())
     step = max(main + wait, comm_free) + inline + tail
     return StepTime(step, main + tail, inline, float(c[ev].sum()) + ar.group_latency * ev.any(),
                     max(0.0, comm_free - main - wait), float(c[pf].sum()), wait)
 
 
-def stream(before, p_pos, p_c, d_pos, d_c, record: dict | None = None) -> tuple[float, float]:
+def stream(before, p_pos, p_c, d_pos, d_c, record: dict | None = None,
+           p_avail=None) -> tuple[float, float]:
     """The communication stream, first come first served by issue: (the readers' waits in
     all, when the stream is free).
 
     `before[q]`: when op q starts, waits aside. Deferred conversions (`d_pos`, `d_c`,
     in issue order; position -1: ready at once) are issued when their producer ends.
     Prefetched ones (`p_pos`: their first reader, `p_c`, in order) are issued when the
-    previous one's reader starts (the first at once); a reader waits for the part of its
+    previous one's reader starts (the first at once), and not before op `p_avail` (a
+    copy of a step input: the copy; -1: none) is done; a reader waits for the part of its
     gather not done, and every later op with it. `record` gets per deferred conversion
     `(start, end)` under "deferred_spans", per prefetched `(start, end, wait)` under
     "prefetched_spans"."""
@@ -168,7 +171,8 @@ def stream(before, p_pos, p_c, d_pos, d_c, record: dict | None = None) -> tuple[
             issue = reader(k - 1)
         else:
             deferred_until(0)
-        start = max(free, issue)
+        made = p_avail[k] if p_avail else -1
+        start = max(free, issue, before[made + 1] + waited if made >= 0 else 0.0)
         free = start + sec
         p_spans.append((start, free, 0.0))
     if p_c:
