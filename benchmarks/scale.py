@@ -1,7 +1,9 @@
-"""LLM-size GPTs (1.3B, 6.7B) planned on heterogeneous presets; writes SCALE.md.
+"""LLM-size GPTs (1.3B, 6.7B; 13B on HAP's cluster, the stretch) planned on heterogeneous
+presets; writes SCALE.md.
 
     .venv/bin/python benchmarks/scale.py [--time-limit 10] [--configs 1.3b 6.7b]
         [--clusters a100x8-v100x8-100g hap-v100x16-p100x48 h100x4-t4x12]
+        [--stretch 13b:hap-v100x16-p100x48 ...]
         [--out benchmarks/SCALE.md] [--json benchmarks/results/scale.json]
 
 Planned from abstract shapes (nothing is allocated): the zoo's tied-embedding GPT at
@@ -36,6 +38,7 @@ from hapsynth.models import get  # noqa: E402
 
 CONFIGS = ["1.3b", "6.7b"]
 CLUSTERS = ["a100x8-v100x8-100g", "hap-v100x16-p100x48", "h100x4-t4x12"]
+STRETCH = ["13b:hap-v100x16-p100x48"]  # (config:cluster) rows after the grid
 G = 2 ** 30
 
 
@@ -103,16 +106,18 @@ def main(argv=None) -> int:
     ap.add_argument("--time-limit", type=float, default=10.0)
     ap.add_argument("--configs", nargs="+", default=CONFIGS)
     ap.add_argument("--clusters", nargs="+", default=CLUSTERS)
+    ap.add_argument("--stretch", nargs="*", default=STRETCH, help="more config:cluster rows")
     ap.add_argument("--out", default=None, help="write the markdown table here")
     ap.add_argument("--json", default=None, help="write the measured rows here")
     a = ap.parse_args(argv)
     rows = []
-    for config in a.configs:
-        for name in a.clusters:
-            r = row(config, hs.Cluster.load(name), a.time_limit)
-            rows.append(r)
-            print(json.dumps({k: v for k, v in r.items() if k != "summary"}, default=str),
-                  flush=True)
+    pairs = [(c, n) for c in a.configs for n in a.clusters] + [
+        tuple(x.split(":", 1)) for x in a.stretch]
+    for config, name in pairs:
+        r = row(config, hs.Cluster.load(name), a.time_limit)
+        rows.append(r)
+        print(json.dumps({k: v for k, v in r.items() if k != "summary"}, default=str),
+              flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     text = (f"Measured {datetime.date.today()} at {commit} on {platform.machine()} "

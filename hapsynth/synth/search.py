@@ -300,3 +300,30 @@ def local_search(pr: Priced, assign, ties=None, budget: int = 200, class_moves=(
         improved = single_moves() or improved
         improved = improved or drop_conversions() or pair_moves()
     return assign
+
+
+def hold_copies(pr: Priced, assign) -> list[int]:
+    """Per parameter copied for the backward pass (checkpointing's copies, `ir/checkpoint.py`),
+    one at a time and apart from its repeated layers' ties: read the copy in the layout its
+    readers need, so the gather made for the forward pass is held and serves it, where that
+    fits and prices faster than gathering it again (the largest gathers first)."""
+    st = pr.tables.structure
+    graph = st.graph
+    stored = set(st.pairs)
+    nodes = []
+    for n, node in enumerate(graph.nodes):
+        copied = [t for o in node.ops if graph.ops[o].primitive == "optimization_barrier"
+                  for t in graph.ops[o].inputs if t in stored]
+        if copied:
+            nodes.append((-sum(graph.tensors[t].nbytes for t in copied), n))
+    assign = list(assign)
+    best = pr.time(assign)
+    for _, n in sorted(nodes):
+        for s in range(len(st.strategies[n])):
+            if s == assign[n]:
+                continue
+            trial = assign[:n] + [s] + assign[n + 1:]
+            t = pr.time(trial)
+            if t < best * (1 - 1e-4) and pr.fits(trial):
+                assign, best = trial, t
+    return assign

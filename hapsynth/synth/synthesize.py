@@ -20,8 +20,8 @@ from hapsynth.ir.graph import Graph
 from hapsynth.synth.plan import Plan
 from hapsynth.synth.assemble import Choice, assemble
 from hapsynth.synth.fsdp import fsdp_choice
-from hapsynth.synth.search import (Priced, data_parallel, fit_memory, local_search, share_candidates,
-                                   shares_by, state_classes, switch_classes)
+from hapsynth.synth.search import (Priced, data_parallel, fit_memory, hold_copies, local_search,
+                                   share_candidates, shares_by, state_classes, switch_classes)
 from hapsynth.synth.solver import solve
 from hapsynth.synth.strategy import batch_classes, layer_ties, link_factors
 from hapsynth.synth.structure import Structure, build_structure
@@ -187,6 +187,7 @@ def improve(problem: Problem, best: Choice, options: Options, clock: Clock):
                          memory=(problem.capacity, pr.memory.constraint_rows(list(best.assign))))
         solve_wall += stats.wall
         a = local_search(pr, a, problem.ties, budget=int(15 * options.time_limit), class_moves=moves)
+        a = hold_copies(pr, a)
         if pr.time(a) < best.time:
             best = problem.choice("synthesized", pr, a)
         improved = False
