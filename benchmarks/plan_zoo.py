@@ -53,7 +53,7 @@ def layers(model: str, n: int):
     """Temporarily give the zoo's paper config `n` layers."""
     mod = ZOO[model]
     original = mod.config
-    mod.config = lambda name="tiny", devices=8: dataclasses.replace(original(name, devices), layers=n)
+    mod.config = lambda *a, **kw: dataclasses.replace(original(*a, **kw), layers=n)
     try:
         yield
     finally:

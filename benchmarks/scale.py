@@ -101,6 +101,22 @@ def table(rows: list[dict]) -> str:
     return head + "\n".join(lines) + "\n"
 
 
+def _write_table(path: str, text: str) -> None:
+    """Write `text` (the "Measured ..." line and the table) to `path`; where the file has
+    one already, replace just that block and keep the prose around it."""
+    try:
+        with open(path) as f:
+            old = f.read()
+    except FileNotFoundError:
+        old = ""
+    start = old.find("Measured ")
+    if start >= 0:
+        end = old.find("\n\n", old.find("\n|", start))
+        text = old[:start] + text.rstrip("\n") + (old[end:] if end >= 0 else "\n")
+    with open(path, "w") as f:
+        f.write(text)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--time-limit", type=float, default=10.0)
@@ -125,8 +141,7 @@ def main(argv=None) -> int:
             f"`--time-limit {a.time_limit:g}`.\n\n" + table(rows))
     print(text)
     if a.out:
-        with open(a.out, "w") as f:
-            f.write(text)
+        _write_table(a.out, text)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1, default=str)

@@ -303,10 +303,12 @@ def local_search(pr: Priced, assign, ties=None, budget: int = 200, class_moves=(
 
 
 def hold_copies(pr: Priced, assign) -> list[int]:
-    """Per parameter copied for the backward pass (checkpointing's copies, `ir/checkpoint.py`),
-    one at a time and apart from its repeated layers' ties: read the copy in the layout its
-    readers need, so the gather made for the forward pass is held and serves it, where that
-    fits and prices faster than gathering it again (the largest gathers first)."""
+    """Per node copying parameters for the backward pass (checkpointing's copies,
+    `ir/checkpoint.py`), one at a time and apart from its repeated layers' ties, the
+    largest first: every other strategy of it, kept where it fits and prices faster. Read
+    in the layout its readers need, a copy lets the forward pass's gather be held and
+    serve the backward instead of gathering again: a few layers' parameters may be held
+    where every layer's would not fit (the ties move all layers at once)."""
     st = pr.tables.structure
     graph = st.graph
     stored = set(st.pairs)
