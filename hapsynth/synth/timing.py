@@ -4,17 +4,25 @@ Time model (one compute stream, one communication stream per device):
 - the *main* part runs ops in program order; each op takes the time of its slowest
   device class; a conversion an op needs is paid inline, before it;
 - inline all-reduces that XLA combines into one (`pricing._combine`) pay one latency;
-- conversions feeding the *tail* (the optimizer, after the last contraction) are issued
-  when their producer finishes and overlap the remaining main compute, one at a time in
-  issue order (XLA's latency-hiding scheduler can do no better with one collective
-  stream); the group pays one all-reduce latency. They overlap compute only: an inline
-  collective has the link to itself, so the stream's clock (`stream`'s `before`) is the
-  main compute's alone, and the inline collectives' time is added to its end;
-- step = max(main end, last deferred conversion end) + tail compute.
-The CP-SAT model (`solver.py`) encodes the same formula.
+- conversions feeding the *tail* (the optimizer, after the last contraction) are
+  *deferred*: issued when their producer finishes, they overlap the remaining main
+  compute on the communication stream (XLA's latency-hiding scheduler can do no better
+  with one collective stream); the group pays one all-reduce latency;
+- a conversion of stored state (a parameter all-gathered for its readers: its source is
+  a step input, there from the start, or checkpointing's copy of one) is *prefetched*:
+  issued once the previous prefetched conversion's reader starts (one ahead, as FSDP
+  prefetches the next layer's gather), it overlaps the compute in between and goes
+  before the deferred conversions waiting then; its reader waits for what is not hidden;
+- the stream overlaps compute only: an inline collective has the link to itself, so the
+  stream's clock (`stream`'s `before`) is the main compute's, and the inline
+  collectives' time is added to its end;
+- step = max(main compute + prefetch waits, stream end) + inline conversions + tail.
+The CP-SAT model (`solver.py`) encodes the same formula, except that it pays prefetched
+conversions inline (an upper bound; every plan is confirmed by `evaluate`).
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import numpy as np
@@ -134,24 +142,34 @@ def evaluate(tables, assign, record: dict | None = None) -> StepTime:
 
 def stream(before, p_pos, p_c, d_pos, d_c, record: dict | None = None,
            p_avail=None) -> tuple[float, float]:
-    """The communication stream, first come first served by issue: (the readers' waits in
-    all, when the stream is free).
+    """The communication stream: (the readers' waits in all, when the stream is free).
 
     `before[q]`: when op q starts, waits aside. Deferred conversions (`d_pos`, `d_c`,
-    in issue order; position -1: ready at once) are issued when their producer ends.
+    in issue order; position -1: ready at once) are ready when their producer ends.
     Prefetched ones (`p_pos`: their first reader, `p_c`, in order) are issued when the
     previous one's reader starts (the first at once), and not before op `p_avail` (a
     copy of a step input: the copy; -1: none) is done; a reader waits for the part of its
-    gather not done, and every later op with it. `record` gets per deferred conversion
-    `(start, end)` under "deferred_spans", per prefetched `(start, end, wait)` under
-    "prefetched_spans"."""
+    gather not done, and every later op with it. A transfer runs to its end; then a
+    prefetched gather issued by then goes first (its reader waits on it; a gradient
+    waits only for the optimizer, as FSDP issues the next all-gather before the
+    reduce-scatters), else the deferred conversions in order. `record` gets per deferred
+    conversion `(start, end)` under "deferred_spans", per prefetched `(start, end,
+    wait)` under "prefetched_spans"."""
     waited, free, i, D = 0.0, 0.0, 0, len(d_pos)
     d_spans, p_spans = [], []
+    stall_pos, stall_sum = [], []  # readers' positions, the waits up to each
 
-    def deferred_until(q) -> None:
+    def ready(j) -> float:
+        q = d_pos[j]
+        k = bisect.bisect_right(stall_pos, q)
+        return (before[q + 1] if q >= 0 else 0.0) + (stall_sum[k - 1] if k else 0.0)
+
+    def deferred_before(t) -> None:
         nonlocal free, i
-        while i < D and d_pos[i] < q:
-            start = max(free, (before[d_pos[i] + 1] if d_pos[i] >= 0 else 0.0) + waited)
+        while i < D:
+            start = max(free, ready(i))
+            if start >= t:
+                return
             free = start + d_c[i]
             d_spans.append((start, free))
             i += 1
@@ -159,27 +177,28 @@ def stream(before, p_pos, p_c, d_pos, d_c, record: dict | None = None,
     def reader(k) -> float:
         nonlocal waited
         q = p_pos[k]
-        deferred_until(q)
         w = max(0.0, p_spans[k][1] - (before[q] + waited))
         waited += w
+        stall_pos.append(q)
+        stall_sum.append(waited)
         p_spans[k] = (*p_spans[k][:2], w)
         return before[q] + waited
 
-    issue = 0.0
     for k, sec in enumerate(p_c):
-        if k:
-            issue = reader(k - 1)
-        else:
-            deferred_until(0)
+        issue = reader(k - 1) if k else 0.0
         made = p_avail[k] if p_avail else -1
-        start = max(free, issue, before[made + 1] + waited if made >= 0 else 0.0)
+        earliest = max(issue, before[made + 1] + waited if made >= 0 else 0.0)
+        deferred_before(earliest)
+        start = max(free, earliest)
         free = start + sec
         p_spans.append((start, free, 0.0))
     if p_c:
         reader(len(p_c) - 1)
     if i < D:  # the rest in one go: f_j = max(f_j-1, r_j) + c_j
-        r = np.where(d_pos[i:] >= 0, np.asarray(before)[np.clip(d_pos[i:] + 1, 0, None)], 0.0)
-        r = r + waited
+        q = np.asarray(d_pos[i:])
+        k = np.searchsorted(np.asarray(stall_pos, int), q, side="right")
+        r = np.where(q >= 0, np.asarray(before)[np.clip(q + 1, 0, None)], 0.0)
+        r = r + np.concatenate([[0.0], stall_sum])[k]
         C = np.cumsum(d_c[i:])
         ends = C + np.maximum(free, np.maximum.accumulate(r - (C - d_c[i:])))
         if record is not None:
