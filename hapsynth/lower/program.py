@@ -100,10 +100,10 @@ class Lowered:
         return ins, out
 
     def _gathered_state(self) -> list:
-        """The stored state (or a copy of it) converted by a collective for its readers
-        outside loops, as
-        (tensor, layout), in the order segments first read them: each is gathered one
-        ahead, while the previous one's reader runs (as `timing.py` prices it)."""
+        """The stored state (or checkpointing's copy of it) converted by a collective for
+        its readers outside loops, as (tensor, layout), in the order segments first read
+        them: each is gathered one ahead, while the previous one's reader runs (as
+        `timing.py` prices it)."""
         stored = {t: lay for t, lay in zip(self.prog.inputs[:self.plan.state_leaves],
                                            self.in_layouts) if lay.kind == "S"}
         for e in self.prog.eqns:  # checkpointing's copies of it (`ir/checkpoint.py`)
@@ -147,7 +147,8 @@ class Lowered:
             env[t] = (v, R)
         run = _Run(self, env, {}, jnp.asarray(self.group_of)[lax.axis_index(AXIS)], extra,
                    set(zip(prog.inputs, self.in_layouts)), self.ahead)
-        run.convert(self.ahead[:1])  # the first gather of stored state, at once
+        if self.ahead and self.ahead[0][0] in env:
+            run.convert(self.ahead[:1])  # the first gather of stored state, at once
         for item, exports in zip(self.items, self.exports):
             if isinstance(item, schedule.LoopSchedule):
                 run.loop(item)

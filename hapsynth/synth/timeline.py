@@ -71,10 +71,11 @@ def timeline(tables, assign, names) -> tuple[Span, ...]:
         if p in per_op:
             lanes.compute(per_op[p])
     lanes.flush()
+    for p in sorted(waits):  # a gather read first in the tail
+        lanes.wait(waits[p], "gather not hidden")
     for p in sorted(inline):  # read only by outputs or the tail: paid at the main part's end
         for e in inline[p]:
             lanes.collective(e, assign)
-    main_end = lanes.now
     real = lanes.real_time
     for kind, key in (("sync", "deferred"), ("prefetch", "prefetched")):
         for k, (start, end, *_) in zip(rec.get(key, ()), rec.get(key + "_spans", ())):
