@@ -16,6 +16,7 @@ import numpy as np
 
 from hapsynth.ir.layout import R
 from hapsynth.synth.search import switch_classes
+from hapsynth.synth.structure import stored_copies
 
 
 def fsdp_assign(tables, batch_assign) -> list[int]:
@@ -51,20 +52,16 @@ def _copies_follow(st, assign) -> list[int]:
     """A node copying a state leaf (checkpointing's copy for the backward pass,
     `ir/checkpoint.py`) keeps the leaf's stored layout for the copy where it has such a
     strategy: FSDP gathers the parameter again from its shards there."""
-    graph = st.graph
     out = list(assign)
-    for n, node in enumerate(graph.nodes):
-        for o in node.ops:
-            op = graph.ops[o]
-            t_out = st.pairs.get(op.inputs[0]) if op.primitive == "optimization_barrier" else None
-            owner = st.producer_node.get(t_out) if t_out is not None else None
-            if owner is None or owner == n:
-                continue
-            lay = st.strategies[owner][out[owner]].layouts.get(t_out, R)
-            same = [s for s, strat in enumerate(st.strategies[n])
-                    if strat.layouts.get(op.outputs[0], R) == lay]
-            if same and out[n] not in same:
-                out[n] = same[0]
+    for copy, x in stored_copies(st.graph, st.pairs).items():
+        n, t_out = st.producer_node[copy], st.pairs[x]
+        owner = st.producer_node.get(t_out)
+        if owner is None or owner == n:
+            continue
+        lay = st.strategies[owner][out[owner]].layouts.get(t_out, R)
+        same = [s for s, strat in enumerate(st.strategies[n]) if strat.layouts.get(copy, R) == lay]
+        if same and out[n] not in same:
+            out[n] = same[0]
     return out
 
 

@@ -22,7 +22,7 @@ from hapsynth.ir.graph import Cost, Graph
 from hapsynth.ir.layout import R, Layout
 from hapsynth.synth import collectives, costmodel
 from hapsynth.synth.strategy import Strategy
-from hapsynth.synth.structure import Structure
+from hapsynth.synth.structure import Structure, stored_copies
 from hapsynth.synth.timing import EvalArrays
 
 
@@ -239,16 +239,6 @@ def price(st: Structure, cluster: Cluster, class_shares, only: list[int] | None 
     group_latency = collectives.all_reduce_latency(cluster)
     return Tables(st, pr, tuple(main), tuple(tail), tuple(main_at), tuple(edges), group_latency,
                   combined)
-
-
-def stored_copies(graph: Graph, pairs) -> set[int]:
-    """Tensors that are an `optimization_barrier`'s copy of a state input (checkpointing
-    copies a segment's weights so they are gathered again for its backward pass)."""
-    out = set()
-    for op in graph.ops:
-        if op.primitive == "optimization_barrier":
-            out.update(y for x, y in zip(op.inputs, op.outputs) if x in pairs and y is not None)
-    return out
 
 
 def _spans(graph: Graph, ops) -> MappingProxyType:

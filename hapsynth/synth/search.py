@@ -9,7 +9,7 @@ from hapsynth.cluster import Cluster
 from hapsynth.synth.memory import MemoryModel
 from hapsynth.synth.pricing import Tables, price
 from hapsynth.synth.strategy import CARRY
-from hapsynth.synth.structure import Structure
+from hapsynth.synth.structure import Structure, stored_copies
 from hapsynth.synth.timing import evaluate
 
 
@@ -310,17 +310,14 @@ def hold_copies(pr: Priced, assign) -> list[int]:
     serve the backward instead of gathering again: a few layers' parameters may be held
     where every layer's would not fit (the ties move all layers at once)."""
     st = pr.tables.structure
-    graph = st.graph
-    stored = set(st.pairs)
-    nodes = []
-    for n, node in enumerate(graph.nodes):
-        copied = [t for o in node.ops if graph.ops[o].primitive == "optimization_barrier"
-                  for t in graph.ops[o].inputs if t in stored]
-        if copied:
-            nodes.append((-sum(graph.tensors[t].nbytes for t in copied), n))
+    size: dict[int, int] = {}
+    for copy in stored_copies(st.graph, st.pairs):
+        n = st.producer_node[copy]
+        size[n] = size.get(n, 0) + st.graph.tensors[copy].nbytes
+    nodes = sorted((-b, n) for n, b in size.items())
     assign = list(assign)
     best = pr.time(assign)
-    for _, n in sorted(nodes):
+    for _, n in nodes:
         for s in range(len(st.strategies[n])):
             if s == assign[n]:
                 continue

@@ -43,6 +43,14 @@ def state_pairs(graph: Graph, num_state_leaves: int) -> dict[int, int]:
             if graph.outputs[i] is not None}
 
 
+def stored_copies(graph: Graph, pairs) -> dict[int, int]:
+    """{copy: state input} for every `optimization_barrier` copy of a state input
+    (checkpointing copies a segment's weights so they are gathered again for its
+    backward pass, `ir/checkpoint.py`)."""
+    return {y: x for op in graph.ops if op.primitive == "optimization_barrier"
+            for x, y in zip(op.inputs, op.outputs) if x in pairs and y is not None}
+
+
 def build_structure(graph: Graph, *, num_state_leaves: int = 0, max_classes: int = 3,
                     uf=None, keep=(), roles=None) -> Structure:
     """Strategies of every node (replicate, carry partial sums, the heaviest factor classes
